@@ -1,0 +1,187 @@
+"""The vocabulary every fasttorch optimizer speaks: its state record and its protocol.
+
+An optimizer is a small frozen configuration object (built outside the step, validated
+at construction) with three pure methods: ``init`` builds an :class:`OptState`,
+``learning_rate`` reads the rate for a step, and ``update`` returns new parameters and a
+new state without touching its inputs. Hyperparameters live in the state as 0-d float64
+tensors so that changing them (:func:`set_hyperparams`) never recompiles a step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from fasttorch import struct
+from fasttorch.schedules import Schedule
+
+__all__ = ["LearningRate", "OptState", "Optimizer", "set_hyperparams"]
+
+LearningRate = float | Schedule
+"""A learning rate: a fixed float, or a schedule evaluated in-graph from the step."""
+
+TensorList = list[Tensor] | tuple[Tensor, ...]
+"""What ``torch._foreach_*`` takes and returns."""
+
+
+class OptState(struct.Record):
+    """The state of a functional optimizer: a pytree of tensors, nothing else.
+
+    Attributes:
+        count: int64 0-d tensor on the parameters' device, the number of updates
+            applied so far (Adam's bias correction uses ``count + 1``).
+        hyper: 0-d float64 tensors on the parameters' device, by name ("lr",
+            "weight_decay", "momentum", "dampening", "beta1", "beta2", "eps" as the
+            algorithm needs); change them with :func:`set_hyperparams`.
+        slots: per-parameter buffers by slot name, then parameter name
+            (``{"exp_avg": {"w": ...}}``), same dtype and device as the parameter.
+
+    Example:
+        >>> import torch
+        >>> from fasttorch import optim
+        >>> state = optim.sgd(0.1, momentum=0.9).init({"w": torch.ones(2)})
+        >>> state.count, sorted(state.hyper), state.slots["momentum_buffer"]["w"]
+        (tensor(0), ['dampening', 'lr', 'momentum', 'weight_decay'], tensor([0., 0.]))
+    """
+
+    count: Tensor
+    hyper: dict[str, Tensor]
+    slots: dict[str, dict[str, Tensor]]
+
+
+class Optimizer(Protocol):
+    """What a training step needs from an optimizer (``fasttorch.optim.sgd`` etc.)."""
+
+    def init(self, params: Mapping[str, Tensor]) -> OptState:
+        """A fresh state for ``params``: count 0, hyperparameters, zeroed slots."""
+        ...
+
+    def learning_rate(self, opt_state: OptState, step: Tensor) -> Tensor:
+        """The 0-d float64 learning rate used by ``update`` at training step ``step``."""
+        ...
+
+    def update(
+        self,
+        params: Mapping[str, Tensor],
+        grads: Mapping[str, Tensor],
+        opt_state: OptState,
+        step: Tensor,
+    ) -> tuple[dict[str, Tensor], OptState]:
+        """New parameters and state after one step; the inputs are left untouched."""
+        ...
+
+
+# Valid ranges, shared by construction-time validation and set_hyperparams.
+_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "lr": (lambda v: v >= 0.0, "lr >= 0"),
+    "weight_decay": (lambda v: v >= 0.0, "weight_decay >= 0"),
+    "momentum": (lambda v: v >= 0.0, "momentum >= 0"),
+    "dampening": (lambda v: 0.0 <= v <= 1.0, "0 <= dampening <= 1"),
+    "beta1": (lambda v: 0.0 <= v < 1.0, "0 <= beta1 < 1"),
+    "beta2": (lambda v: 0.0 <= v < 1.0, "0 <= beta2 < 1"),
+    "eps": (lambda v: v >= 0.0, "eps >= 0"),
+}
+
+
+def check_hyper(owner: str, name: str, value: object) -> None:
+    """Raise ValueError (TypeError for non-numbers) unless ``value`` is valid for ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            f"{owner}: {name} must be a float, got {value!r} of type {type(value).__name__}."
+        )
+    ok, rule = _RANGES[name]
+    if math.isnan(value) or not ok(float(value)):
+        raise ValueError(
+            f"{owner}: invalid {name}={value!r}; valid values satisfy {rule} "
+            f"(the same rule torch.optim applies). Pass a value in that range."
+        )
+
+
+def check_lr(owner: str, lr: object) -> None:
+    """Validate a learning rate: a float >= 0 or a schedule (any callable)."""
+    if callable(lr):
+        return
+    check_hyper(owner, "lr", lr)
+
+
+def make_hyper(lr: LearningRate, device: torch.device, **values: float) -> dict[str, Tensor]:
+    """0-d float64 hyperparameter tensors on ``device``; "lr" only when it is a float."""
+    if not callable(lr):
+        values = {"lr": float(lr), **values}
+    return {
+        name: torch.tensor(float(v), dtype=torch.float64, device=device)
+        for name, v in values.items()
+    }
+
+
+def params_device(params: Mapping[str, Tensor]) -> torch.device:
+    """The device of the first parameter (CPU when there are none)."""
+    for p in params.values():
+        return p.device
+    return torch.device("cpu")
+
+
+def scheduled_or_fixed_lr(lr: LearningRate, opt_state: OptState, step: Tensor) -> Tensor:
+    """``lr(step)`` for a schedule, else the tensor in ``opt_state.hyper["lr"]``."""
+    if callable(lr):
+        return lr(step).to(torch.float64)
+    return opt_state.hyper["lr"]
+
+
+def set_hyperparams(opt_state: OptState, **values: float | Tensor) -> OptState:
+    """A copy of ``opt_state`` with some hyperparameters replaced.
+
+    The new values become 0-d tensors of the old ones' dtype and device, so a compiled
+    step sees new tensor *values*, not new constants, and does not recompile. The
+    torch.optim equivalent is ``for g in opt.param_groups: g["lr"] = value``.
+
+    Args:
+        opt_state: the state returned by an optimizer's ``init`` or ``update``.
+        **values: new values by name (``lr=1e-4``, ``weight_decay=0.0``): Python numbers
+            (range-checked) or 1-element tensors (not checked: that would sync).
+
+    Returns:
+        A new :class:`OptState`; the input is unchanged.
+
+    Raises:
+        ValueError: for a name the state does not hold (the message lists the valid
+            ones), for "lr" when the learning rate is a schedule, or for a value out of
+            range.
+
+    Example:
+        >>> import torch
+        >>> from fasttorch import optim
+        >>> state = optim.adamw(1e-3).init({"w": torch.zeros(3)})
+        >>> optim.set_hyperparams(state, lr=1e-4).hyper["lr"]
+        tensor(0.0001, dtype=torch.float64)
+    """
+    hyper = dict(opt_state.hyper)
+    for name, value in values.items():
+        if name not in hyper:
+            if name == "lr":
+                raise ValueError(
+                    "set_hyperparams: this optimizer's lr is a schedule, evaluated from the "
+                    "step counter inside the step, so there is no 'lr' to set. Build the "
+                    "optimizer with a float lr to set it by hand, or pass a new schedule."
+                )
+            raise ValueError(
+                f"set_hyperparams: unknown hyperparameter {name!r}; this state holds "
+                f"{sorted(hyper)}. (Hyperparameters an optimizer was built without, e.g. "
+                "momentum for sgd(momentum=0), cannot be added later: build a new one.)"
+            )
+        old = hyper[name]
+        if isinstance(value, Tensor):
+            if value.numel() != 1:
+                raise ValueError(
+                    f"set_hyperparams: {name} must be a number or a 1-element tensor, "
+                    f"got a tensor of shape {tuple(value.shape)}."
+                )
+            hyper[name] = value.detach().reshape(()).to(dtype=old.dtype, device=old.device)
+        else:
+            check_hyper("set_hyperparams", name, value)
+            hyper[name] = torch.tensor(float(value), dtype=old.dtype, device=old.device)
+    return opt_state.replace(hyper=hyper)

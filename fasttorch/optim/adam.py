@@ -1,0 +1,200 @@
+"""Adam and AdamW: adaptive moments with L2 or decoupled weight decay."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import torch
+from torch import Tensor
+
+from fasttorch.optim._base import (
+    LearningRate,
+    OptState,
+    TensorList,
+    check_hyper,
+    check_lr,
+    make_hyper,
+    params_device,
+    scheduled_or_fixed_lr,
+)
+
+__all__ = ["Adam", "adam", "adamw"]
+
+_foreach_add = torch._foreach_add
+_foreach_mul = torch._foreach_mul
+
+
+@attrs.frozen
+class Adam:
+    """Functional ``torch.optim.Adam`` / ``AdamW`` (built by :func:`adam`, :func:`adamw`).
+
+    ``decoupled_weight_decay=True`` is AdamW, as in ``torch.optim.Adam``'s flag of
+    the same name.
+
+    Example:
+        >>> sorted(Adam(1e-3).init({"w": torch.zeros(2)}).slots)
+        ['exp_avg', 'exp_avg_sq']
+    """
+
+    lr: LearningRate
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled_weight_decay: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        owner = "adamw" if self.decoupled_weight_decay else "adam"
+        check_lr(owner, self.lr)
+        if not isinstance(self.betas, tuple) or len(self.betas) != 2:
+            raise ValueError(
+                f"{owner}: betas must be a pair (beta1, beta2), got {self.betas!r}. "
+                "Pass e.g. betas=(0.9, 0.999)."
+            )
+        check_hyper(owner, "beta1", self.betas[0])
+        check_hyper(owner, "beta2", self.betas[1])
+        check_hyper(owner, "eps", self.eps)
+        check_hyper(owner, "weight_decay", self.weight_decay)
+
+    def init(self, params: Mapping[str, Tensor]) -> OptState:
+        """Count 0, hyperparameters as 0-d float64 tensors, zero first and second moments."""
+        device = params_device(params)
+        hyper = make_hyper(
+            self.lr,
+            device,
+            beta1=self.betas[0],
+            beta2=self.betas[1],
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+        )
+        slots = {
+            slot: {n: torch.zeros_like(p) for n, p in params.items()}
+            for slot in ("exp_avg", "exp_avg_sq")
+        }
+        return OptState(
+            count=torch.zeros((), dtype=torch.int64, device=device), hyper=hyper, slots=slots
+        )
+
+    def learning_rate(self, opt_state: OptState, step: Tensor) -> Tensor:
+        """``self.lr(step)`` for a schedule, else ``opt_state.hyper["lr"]`` (0-d float64)."""
+        return scheduled_or_fixed_lr(self.lr, opt_state, step)
+
+    def update(
+        self,
+        params: Mapping[str, Tensor],
+        grads: Mapping[str, Tensor],
+        opt_state: OptState,
+        step: Tensor,
+    ) -> tuple[dict[str, Tensor], OptState]:
+        """One Adam(W) step, out of place: new params (same keys, order) and state."""
+        names = list(params)
+        count = opt_state.count + 1
+        if not names:
+            return {}, opt_state.replace(count=count)
+        h = opt_state.hyper
+        beta1, beta2, eps, wd = h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
+        with torch.no_grad():
+            lr = self.learning_rate(opt_state, step)
+            p: TensorList = [params[n] for n in names]
+            g: TensorList = [grads[n] for n in names]
+            if self.decoupled_weight_decay:
+                p = _foreach_mul(p, 1 - lr * wd)
+            else:
+                g = _foreach_add(g, _foreach_mul(p, wd))
+            m: TensorList = [opt_state.slots["exp_avg"][n] for n in names]
+            v: TensorList = [opt_state.slots["exp_avg_sq"][n] for n in names]
+            # torch's exp_avg.lerp_(grad, 1 - beta1), with the weight as a tensor per
+            # parameter dtype (a 0-d tensor scalar would be read back to the host).
+            weight = 1 - beta1
+            weights = {t.dtype: weight.to(t.dtype) for t in m}
+            m = torch._foreach_lerp(m, g, [weights[t.dtype] for t in m])
+            v = _foreach_add(_foreach_mul(v, beta2), _foreach_mul(_foreach_mul(g, g), 1 - beta2))
+            # Scalars in float64, as torch's Python-float math; the tensors they scale
+            # cast them to their own dtype.
+            t = count.to(torch.float64)
+            step_size = lr / (1 - beta1**t)
+            bias_correction2_sqrt = (1 - beta2**t).sqrt()
+            denom = _foreach_add(
+                torch._foreach_div(torch._foreach_sqrt(v), bias_correction2_sqrt), eps
+            )
+            new_p = torch._foreach_sub(p, _foreach_mul(torch._foreach_div(m, denom), step_size))
+        slots = {"exp_avg": dict(zip(names, m)), "exp_avg_sq": dict(zip(names, v))}
+        return dict(zip(names, new_p)), opt_state.replace(count=count, slots=slots)
+
+
+def adam(
+    lr: LearningRate,
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> Adam:
+    """Adam, numerically ``torch.optim.Adam`` (``_single_tensor_adam``, amsgrad off).
+
+    Per parameter, at update ``t = count + 1``::
+
+        g = grad + weight_decay * p                 # L2 penalty, coupled
+        m = m + (1 - beta1) * (g - m)
+        v = beta2 * v + (1 - beta2) * g * g
+        p = p - lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+
+    Args:
+        lr: a float >= 0, or a schedule ``step -> 0-d tensor`` (see ``fasttorch.schedules``).
+        betas: ``(beta1, beta2)``, each in [0, 1).
+        eps: added to the denominator, >= 0.
+        weight_decay: L2 penalty added to the gradient, >= 0.
+
+    Returns:
+        An :class:`Adam` optimizer.
+
+    Raises:
+        ValueError: for out-of-range values, as ``torch.optim.Adam`` does.
+
+    Example:
+        >>> import torch
+        >>> from fasttorch import optim
+        >>> opt = optim.adam(0.1)
+        >>> params = {"w": torch.ones(2)}
+        >>> state = opt.init(params)
+        >>> params, state = opt.update(params, {"w": torch.ones(2)}, state, torch.tensor(0))
+        >>> params["w"]
+        tensor([0.9000, 0.9000])
+    """
+    return Adam(lr, betas, eps, weight_decay, decoupled_weight_decay=False)
+
+
+def adamw(
+    lr: LearningRate,
+    *,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+) -> Adam:
+    """AdamW, numerically ``torch.optim.AdamW`` (``_single_tensor_adam``, decoupled decay).
+
+    As :func:`adam`, except that the decay shrinks the parameters before the moment
+    update instead of entering the gradient: ``p = p * (1 - lr * weight_decay)``.
+
+    Args:
+        lr: a float >= 0, or a schedule ``step -> 0-d tensor`` (see ``fasttorch.schedules``).
+        betas: ``(beta1, beta2)``, each in [0, 1).
+        eps: added to the denominator, >= 0.
+        weight_decay: decoupled decay factor, >= 0.
+
+    Returns:
+        An :class:`Adam` optimizer with ``decoupled_weight_decay=True``.
+
+    Raises:
+        ValueError: for out-of-range values, as ``torch.optim.AdamW`` does.
+
+    Example:
+        >>> import torch
+        >>> from fasttorch import optim
+        >>> opt = optim.adamw(0.1, weight_decay=0.5)
+        >>> params = {"w": torch.ones(2)}
+        >>> state = opt.init(params)
+        >>> params, state = opt.update(params, {"w": torch.ones(2)}, state, torch.tensor(0))
+        >>> params["w"]
+        tensor([0.8500, 0.8500])
+    """
+    return Adam(lr, betas, eps, weight_decay, decoupled_weight_decay=True)

@@ -1,0 +1,194 @@
+"""``TrainState``: everything a training step reads and writes, as one immutable pytree."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+from torch import nn
+
+from fasttorch import struct
+from fasttorch._rng import initial_rng_state
+
+if TYPE_CHECKING:
+    from fasttorch.optim import Optimizer, OptState
+
+__all__ = ["DonatedStateError", "TrainState"]
+
+_DONATED = "_fasttorch_donated"
+
+
+class DonatedStateError(RuntimeError):
+    """A ``TrainState`` was used after a step consumed it (see :func:`fasttorch.step`)."""
+
+
+class TrainState(struct.Record):
+    """Parameters, buffers, optimizer state, step counter, RNG and transform sub-states.
+
+    A frozen dataclass registered as a pytree: ``torch.compile``, ``torch.func`` and
+    checkpointing see every tensor leaf, while the module (used only as a template for
+    :func:`torch.func.functional_call`) and the optimizer are static. Transforms keep
+    their own small sub-state in :attr:`substates` under their name ("amp",
+    "grad_accumulate", ...), added by ``step.init(state)`` or on a step's first call.
+
+    Attributes:
+        params: trainable parameters by name (``requires_grad=True`` ones).
+        buffers: buffers (BatchNorm running statistics) and frozen parameters.
+        opt_state: the optimizer's state, hyperparameters included as 0-d tensors.
+        step: number of optimizer steps taken (skipped ones included); schedules read it.
+        rng: the generator state of the parameters' device (see ``fasttorch._rng``).
+        substates: per-transform state, by transform name.
+        module: the template module (static).
+        optimizer: the functional optimizer (static).
+
+    Example:
+        >>> import torch, fasttorch
+        >>> state = fasttorch.TrainState.create(torch.nn.Linear(3, 1), fasttorch.optim.sgd(0.1))
+        >>> sorted(state.params), int(state.step)
+        (['bias', 'weight'], 0)
+    """
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    opt_state: OptState
+    step: torch.Tensor
+    rng: torch.Tensor
+    substates: dict[str, Any]
+    module: nn.Module = struct.field(static=True)
+    optimizer: Optimizer = struct.field(static=True)
+
+    @classmethod
+    def create(cls, module: nn.Module, optimizer: Optimizer, *, seed: int = 0) -> TrainState:
+        """Build the initial state of ``module`` trained by ``optimizer``.
+
+        The state's parameters and buffers share storage with the module's own (no
+        copy is made): a donating step updates them in place, so the module follows the
+        latest state. The module is put in training mode.
+
+        Args:
+            module: the model. Its floating-point parameters with ``requires_grad`` are
+                trained; frozen parameters and buffers are carried as buffers.
+            optimizer: a functional optimizer from :mod:`fasttorch.optim`.
+            seed: seed of the state's own random generator (dropout).
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.Module``, ``optimizer`` is not a
+                fasttorch optimizer, or a parameter is not floating point.
+            ValueError: nothing to train, or tensors on more than one device.
+        """
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"TrainState.create expects an nn.Module, got {type(module).__name__}")
+        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+            raise TypeError(
+                "TrainState.create expects a fasttorch optimizer such as "
+                f"fasttorch.optim.adamw(lr=1e-3), got {type(optimizer).__name__}; "
+                "torch.optim optimizers keep hidden mutable state and cannot be used"
+            )
+        params: dict[str, torch.Tensor] = {}
+        buffers: dict[str, torch.Tensor] = {}
+        for name, p in module.named_parameters():
+            if not p.is_floating_point():
+                raise TypeError(
+                    f"parameter {name!r} has dtype {p.dtype}; fasttorch trains "
+                    "floating-point parameters only. Register it with "
+                    "module.register_buffer, or give it a floating dtype"
+                )
+            (params if p.requires_grad else buffers)[name] = p.detach()
+        for name, b in module.named_buffers():
+            buffers[name] = b.detach()
+        if not params:
+            raise ValueError(
+                f"{type(module).__name__} has no parameters with requires_grad=True: "
+                "nothing to train"
+            )
+        devices = {t.device for t in (*params.values(), *buffers.values())}
+        if len(devices) > 1:
+            where = {
+                str(d): [n for n, t in (*params.items(), *buffers.items()) if t.device == d][:3]
+                for d in devices
+            }
+            raise ValueError(
+                f"the module's tensors are on more than one device: {where}. "
+                "Move the whole module to one device (module.to(device)) first"
+            )
+        device = next(iter(params.values())).device
+        module.train()
+        return cls(
+            params=params,
+            buffers=buffers,
+            opt_state=optimizer.init(params),
+            step=torch.zeros((), dtype=torch.int64, device=device),
+            rng=initial_rng_state(device, seed),
+            substates={},
+            module=module,
+            optimizer=optimizer,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the parameters."""
+        return next(iter(self.params.values())).device
+
+    def apply(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module with this state's parameters and buffers (no gradients)."""
+        with torch.no_grad():
+            return torch.func.functional_call(
+                self.module, (self.params, self.buffers), args, kwargs
+            )
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers keyed like ``module.state_dict()``, for export."""
+        out = dict(self.module.state_dict(keep_vars=True))
+        for name, t in (*self.params.items(), *self.buffers.items()):
+            out[name] = t
+        return {k: v.detach() for k, v in out.items()}
+
+    def __getattr__(self, name: str) -> NoReturn:
+        # Only reached when normal lookup fails: fields of a donated state are gone.
+        if not name.startswith("__") and _DONATED in object.__getattribute__(self, "__dict__"):
+            _raise_donated(self)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        if _DONATED in self.__dict__:
+            return "TrainState(<donated>)"
+        n = sum(p.numel() for p in self.params.values())
+        return (
+            f"TrainState(params={len(self.params)} tensors/{n} values, "
+            f"buffers={len(self.buffers)}, step={self.step!r}, "
+            f"substates={sorted(self.substates)}, device={self.device})"
+        )
+
+
+def _raise_donated(state: TrainState) -> NoReturn:
+    where = object.__getattribute__(state, "__dict__")[_DONATED]
+    raise DonatedStateError(
+        f"this TrainState was donated to {where}: its tensors were updated in place "
+        "and now belong to the state that call returned. Use the returned state "
+        "(state, metrics = step(state, batch)), or build the step with "
+        "fasttorch.step(loss_fn, donate=False) to keep input states intact"
+    )
+
+
+def mark_donated(state: TrainState, by: str) -> None:
+    """Make every later use of ``state`` raise :class:`DonatedStateError`."""
+    d = object.__getattribute__(state, "__dict__")
+    d.clear()
+    d[_DONATED] = by
+
+
+def check_alive(state: Any, api: str) -> None:
+    """Raise a clear error unless ``state`` is a live :class:`TrainState`."""
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"{api} expects a fasttorch.TrainState as its first argument, got "
+            f"{type(state).__name__}; call it as state, metrics = step(state, batch)"
+        )
+    if _DONATED in object.__getattribute__(state, "__dict__"):
+        _raise_donated(state)
+
+
+def param_items(state: TrainState) -> Mapping[str, torch.Tensor]:
+    """The trainable parameters (helper for transforms)."""
+    return state.params

@@ -1,0 +1,574 @@
+"""Pure training steps built from a loss function, and the phases transforms wrap.
+
+A :class:`Step` is ``(state, batch) -> (state, metrics)``. Inside, it runs three phases
+that transforms replace one at a time:
+
+* ``loss(state, params, buffers, batch) -> Loss``: the forward pass through the user's
+  loss function (``with_amp`` wraps it in autocast);
+* ``grad(loss, state, batch, mult) -> GradOut``: gradients of ``loss * mult`` for one
+  (micro)batch (``with_amp`` multiplies in the loss scale);
+* ``update(state, grads) -> (state, metrics)``: optimizer update (``clip_scaled`` and
+  ``with_amp`` act before it).
+
+The driver in :meth:`Step.__call__` adds what no phase should own: checking the inputs,
+the RNG scope, the accumulation loop (``grad_accumulate``), compiled kernels
+(``compiled``) and donation.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any, TypeAlias
+
+import attrs
+import torch
+import torch.utils._pytree as pytree
+from torch.func import functional_call, grad_and_value
+
+from fasttorch import struct
+from fasttorch._rng import scoped_rng
+from fasttorch.state import TrainState, check_alive, mark_donated
+
+__all__ = [
+    "Accumulation",
+    "GradOut",
+    "Loss",
+    "Step",
+    "global_norm",
+    "step",
+]
+
+Batch: TypeAlias = Any
+Metrics: TypeAlias = dict[str, Any]
+Tensors: TypeAlias = dict[str, torch.Tensor]
+
+
+class Loss(struct.Record):
+    """What a loss function may return when a bare scalar is not enough.
+
+    Attributes:
+        value: the mean loss over ``weight`` samples or tokens (a 0-d float tensor).
+        weight: how many samples or tokens ``value`` averages over (for a masked
+            token loss, ``mask.sum()``). Defaults to the batch's leading dimension.
+            Accumulation and data parallelism weight each microbatch by it, so the
+            result is the mean over the whole batch whatever the microbatch sizes.
+        aux: auxiliary outputs (a pytree of tensors), returned in ``metrics["aux"]``.
+    """
+
+    value: torch.Tensor
+    weight: Any = None
+    aux: Any = None
+
+
+class GradOut(struct.Record):
+    """Gradients of one batch (or accumulation window) on their way to the optimizer.
+
+    Attributes:
+        grads: gradients by parameter name; they equal the true gradients times
+            ``scale`` when ``scale`` is set.
+        value: the mean loss.
+        weight: the samples or tokens the mean is over.
+        aux: the loss function's auxiliary outputs, or ``None``.
+        scale: the loss scale the gradients still carry, or ``None`` once unscaled.
+        norm: global L2 norm of the true (unscaled, unclipped) gradients, once known.
+        skip: a bool tensor: when true the update is not applied (non-finite grads).
+    """
+
+    grads: Tensors
+    value: torch.Tensor
+    weight: torch.Tensor
+    aux: Any = None
+    scale: torch.Tensor | None = None
+    norm: torch.Tensor | None = None
+    skip: torch.Tensor | None = None
+
+
+LossFn: TypeAlias = Callable[[Callable[..., Any], Batch], Any]
+LossPhase: TypeAlias = Callable[[TrainState, Tensors, Tensors, Batch], Loss]
+GradPhase: TypeAlias = Callable[[LossPhase, TrainState, Batch, Any], GradOut]
+UpdatePhase: TypeAlias = Callable[[TrainState, GradOut], "tuple[TrainState, Metrics]"]
+Init: TypeAlias = Callable[[TrainState], Any]
+
+
+@attrs.frozen
+class Accumulation:
+    """How ``grad_accumulate`` set a step up: ``n`` microbatches, in one call or across calls."""
+
+    n: int
+    across_calls: bool
+
+
+@attrs.frozen(slots=False)
+class Step:
+    """A pure training step ``(state, batch) -> (state, metrics)`` and its phases.
+
+    Build one with :func:`step`, change it with the transforms. Calling it checks its
+    inputs, adds missing transform sub-states (``init``), then runs the phases, eager
+    or compiled. With ``donate=True`` (the default) the input state's tensors are
+    updated in place and the input state may not be used again.
+    """
+
+    loss: LossPhase
+    grad: GradPhase
+    update: UpdatePhase
+    name: str
+    doc: str | None = None
+    inits: tuple[tuple[str, Init], ...] = ()
+    accumulation: Accumulation | None = None
+    donate: bool = True
+    transforms: tuple[str, ...] = ()
+    compile_options: Mapping[str, Any] | None = None
+
+    def __attrs_post_init__(self) -> None:
+        # Keep the wrapped loss function's name and docs, as functools.wraps would.
+        self.__dict__["__name__"] = self.name
+        self.__dict__["__qualname__"] = self.name
+        self.__dict__["__doc__"] = self.doc
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        return _run(self, state, batch)
+
+    def init(self, state: TrainState) -> TrainState:
+        """Return ``state`` with every sub-state this step needs (existing ones kept)."""
+        check_alive(state, f"{self.name}.init")
+        missing = [(k, f) for k, f in self.inits if k not in state.substates]
+        if not missing:
+            return state
+        subs = dict(state.substates)
+        for key, make in missing:
+            subs[key] = make(state)
+        return state.replace(substates=subs)
+
+    def with_phases(self, transform: str, **changes: Any) -> Step:
+        """A copy with some phases or settings replaced, recording ``transform``.
+
+        This is how transforms are written: check the order, then replace phases.
+        """
+        check_wrap(self, transform)
+        return attrs.evolve(self, transforms=(*self.transforms, transform), **changes)
+
+    @functools.cached_property
+    def kernels(self) -> _Kernels:
+        """The functions the driver runs: plain, or compiled by ``compiled``."""
+        return _Kernels(self)
+
+
+def step(loss_fn: LossFn, *, donate: bool = True) -> Step:
+    """Build a pure training step from a loss function.
+
+    ``loss_fn(apply, batch)`` gets ``apply``, the model's forward with the state's
+    parameters (``torch.func.functional_call``), and the batch; it returns the mean loss
+    (a 0-d tensor), a ``(loss, aux)`` pair, or a :class:`Loss`. The step computes the
+    gradients with ``torch.func.grad_and_value``, updates with the state's optimizer,
+    and returns the new state and metrics (``loss``, ``grad_norm``, ``lr`` as tensors).
+
+    Equivalent to the plain PyTorch loop body::
+
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    Args:
+        loss_fn: ``(apply, batch) -> loss | (loss, aux) | Loss``.
+        donate: update the input state's tensors in place (memory 1x) and mark it
+            dead, as ``jax.jit(donate_argnums=0)``. ``False`` leaves every input state
+            untouched and usable (copying semantics, for tests and comparisons).
+
+    Example:
+        >>> import torch, fasttorch
+        >>> torch.manual_seed(0) and None
+        >>> model = torch.nn.Linear(4, 1)
+        >>> def loss_fn(apply, batch):
+        ...     x, y = batch
+        ...     return torch.nn.functional.mse_loss(apply(x), y)
+        >>> state = fasttorch.TrainState.create(model, fasttorch.optim.sgd(0.1))
+        >>> train_step = fasttorch.step(loss_fn)
+        >>> batch = (torch.randn(8, 4), torch.randn(8, 1))
+        >>> state, metrics = train_step(state, batch)
+        >>> sorted(metrics), int(state.step)
+        (['grad_norm', 'loss', 'lr'], 1)
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"fasttorch.step expects a loss function, got {type(loss_fn).__name__}")
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    return Step(
+        loss=_loss_phase(loss_fn),
+        grad=grad_phase,
+        update=update_phase,
+        name=name,
+        doc=getattr(loss_fn, "__doc__", None),
+        donate=donate,
+    )
+
+
+# --------------------------------------------------------------------------- phases
+
+
+def _loss_phase(loss_fn: LossFn) -> LossPhase:
+    name = getattr(loss_fn, "__name__", repr(loss_fn))
+
+    def loss(state: TrainState, params: Tensors, buffers: Tensors, batch: Batch) -> Loss:
+        def apply(*args: Any, **kwargs: Any) -> Any:
+            return functional_call(state.module, (params, buffers), args, kwargs)
+
+        if torch.compiler.is_compiling():
+            out = loss_fn(apply, batch)
+        else:
+            try:
+                out = loss_fn(apply, batch)
+            except Exception as e:
+                e.add_note(
+                    f"fasttorch: raised inside loss function {name!r}, called as "
+                    f"{name}(apply, batch) with batch = {describe(batch)}"
+                )
+                raise
+        return as_loss(out, batch, name)
+
+    return loss
+
+
+def as_loss(out: Any, batch: Batch, name: str) -> Loss:
+    """Normalize a loss function's return value to a :class:`Loss`, checking it."""
+    if isinstance(out, Loss):
+        loss = out
+    elif isinstance(out, tuple) and len(out) == 2:
+        loss = Loss(out[0], aux=out[1])
+    else:
+        loss = Loss(out)
+    v = loss.value
+    if not isinstance(v, torch.Tensor) or v.ndim != 0 or not v.is_floating_point():
+        got = (
+            f"a tensor of shape {tuple(v.shape)} and dtype {v.dtype}"
+            if isinstance(v, torch.Tensor)
+            else type(v).__name__
+        )
+        raise ValueError(
+            f"loss function {name!r} must return the mean loss as a 0-d floating tensor "
+            f"(or (loss, aux), or fasttorch.Loss); got {got}. Reduce it with .mean(), "
+            "or return fasttorch.Loss(per_item.sum() / count, weight=count)"
+        )
+    weight = loss.weight if loss.weight is not None else batch_size(batch)
+    if not isinstance(weight, torch.Tensor):
+        weight = torch.tensor(float(weight), device=v.device)
+    return Loss(v, weight.to(torch.float32), loss.aux)
+
+
+def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> GradOut:
+    """Gradients of ``loss.value * mult`` with respect to ``state.params``.
+
+    ``mult`` carries the factors transforms put on the loss before backward: ``1/n``
+    for accumulation, the loss scale for fp16. Buffers go in as a second argument (not
+    closed over) so that BatchNorm's in-place running-stat updates trace under compile.
+    """
+
+    def f(params: Tensors, buffers: Tensors) -> tuple[torch.Tensor, dict[str, Any]]:
+        out = loss(state, params, buffers, batch)
+        # grad_and_value's aux must hold tensors only: leave a missing aux out.
+        extra = {"value": out.value, "weight": out.weight}
+        if out.aux is not None:
+            extra["aux"] = out.aux
+        return out.value * mult, extra
+
+    grads, (_, extra) = grad_and_value(f, has_aux=True)(state.params, state.buffers)
+    return GradOut(grads=grads, value=extra["value"], weight=extra["weight"], aux=extra.get("aux"))
+
+
+def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
+    """Unscale if needed, apply the optimizer, honour ``g.skip``; pure."""
+    grads, norm = g.grads, g.norm
+    if g.scale is not None:
+        inv = reciprocal(g.scale)
+        if norm is None:
+            norm = global_norm(grads) * inv
+        grads = dict(zip(grads, torch._foreach_mul(list(grads.values()), inv)))
+    elif norm is None:
+        norm = global_norm(grads)
+    opt = state.optimizer
+    params, opt_state = opt.update(state.params, grads, state.opt_state, state.step)
+    if g.skip is not None:
+        keep = g.skip
+        params, opt_state = pytree.tree_map(
+            lambda old, new: torch.where(keep, old, new),
+            (state.params, state.opt_state),
+            (params, opt_state),
+        )
+    metrics: Metrics = {
+        "loss": g.value,
+        "grad_norm": norm,
+        "lr": opt.learning_rate(state.opt_state, state.step),
+    }
+    if g.aux is not None:
+        metrics["aux"] = g.aux
+    return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+
+def reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` computed as ``GradScaler`` does (in float64, then float32)."""
+    return scale.double().reciprocal().float()
+
+
+def global_norm(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm, computed as ``torch.nn.utils.clip_grad_norm_`` does."""
+    norms = torch._foreach_norm(list(tensors.values()))
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms))
+    return total
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def describe(batch: Batch) -> str:
+    """A short description of a batch's structure: types, shapes, dtypes, devices."""
+
+    def leaf(x: Any) -> str:
+        if isinstance(x, torch.Tensor):
+            return f"Tensor{tuple(x.shape)}:{str(x.dtype).removeprefix('torch.')}@{x.device}"
+        return type(x).__name__
+
+    text = str(pytree.tree_map(leaf, batch))
+    return text if len(text) < 300 else text[:297] + "..."
+
+
+def batch_size(batch: Batch) -> int:
+    """Leading dimension of the batch's first tensor (1 for a batch without one)."""
+    for x in pytree.tree_leaves(batch):
+        if isinstance(x, torch.Tensor) and x.ndim > 0:
+            return int(x.shape[0])
+    return 1
+
+
+def check_batch(batch: Batch, device: torch.device, api: str) -> None:
+    """Raise a clear error for batch leaves that are not tensors on ``device``."""
+    leaves, _ = pytree.tree_flatten_with_path(batch)
+    if not leaves:
+        raise TypeError(f"{api}: the batch holds no tensors (got {describe(batch)})")
+    for path, x in leaves:
+        where = f"batch{pytree.keystr(path)}"
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"{api}: {where} is a {type(x).__name__}; every leaf of the batch must be "
+                f"a tensor (the batch is {describe(batch)}). Convert it with "
+                "torch.as_tensor, or keep configuration out of the batch"
+            )
+        if x.device != device:
+            raise ValueError(
+                f"{api}: {where} is on {x.device} but the state is on {device}; move "
+                "the batch to the state's device first (batch.to(device, non_blocking=True))"
+            )
+
+
+def split(batch: Batch, n: int, api: str) -> list[Batch]:
+    """Split every tensor of ``batch`` into ``n`` microbatches along dim 0."""
+    leaves, spec = pytree.tree_flatten(batch)
+    sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.ndim > 0}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"{api}: to split a batch into {n} microbatches every tensor needs the same "
+            f"leading (batch) dimension; got {describe(batch)}"
+        )
+    (size,) = sizes
+    if size < n:
+        raise ValueError(f"{api}: a batch of {size} cannot be split into {n} microbatches")
+    parts = [
+        torch.tensor_split(x, n) if isinstance(x, torch.Tensor) and x.ndim > 0 else [x] * n
+        for x in leaves
+    ]
+    return [pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(n)]
+
+
+# --------------------------------------------------------------------------- composition
+
+# Transforms that reach into phases; they need a Step and must come before `compiled`.
+PHASE_TRANSFORMS = ("with_amp", "grad_accumulate", "clip_scaled")
+_ONCE = (*PHASE_TRANSFORMS, "compiled")
+
+
+def check_wrap(step: Any, transform: str) -> None:
+    """Raise at wrap time if ``transform`` cannot wrap ``step``; see docs/composition.md."""
+    if not isinstance(step, Step):
+        kind = getattr(step, "__name__", type(step).__name__)
+        raise TypeError(
+            f"{transform} wraps the phases of a step built by fasttorch.step(loss_fn); "
+            f"got {kind!r}. Only compiled (and profiled) accept any (state, batch) callable"
+        )
+    chain = " -> ".join(step.transforms) or "none"
+    if transform in _ONCE and transform in step.transforms:
+        raise ValueError(
+            f"{transform} is already applied to this step (transforms so far: {chain}); "
+            "apply it once"
+        )
+    if "compiled" in step.transforms:
+        raise ValueError(
+            f"{transform} cannot wrap a compiled step (transforms so far: {chain}): "
+            f"compiled must be the outermost transform. Write "
+            f"compiled({transform}(step, ...)) instead"
+        )
+
+
+# --------------------------------------------------------------------------- driver
+
+
+class AccumState(struct.Record):
+    """Sub-state of ``grad_accumulate(..., across_calls=True)``: the open window."""
+
+    grads: Tensors
+    weight: torch.Tensor
+    value: torch.Tensor
+    micro: int = struct.field(static=True, default=0)
+
+
+def empty_window(params: Mapping[str, torch.Tensor], device: torch.device) -> AccumState:
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    return AccumState(
+        grads={k: torch.zeros_like(p) for k, p in params.items()},
+        weight=zero,
+        value=zero.clone(),
+    )
+
+
+class _Kernels:
+    """The pure functions the driver calls, compiled once each when the step is."""
+
+    def __init__(self, step: Step) -> None:
+        self.step = step
+        wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+        if step.compile_options is None:
+            wrap = _identity
+        else:
+            wrap = functools.partial(torch.compile, **step.compile_options)
+        self.full = wrap(self._full)
+        self.micro = wrap(self._micro)
+        self.last = wrap(self._last)
+
+    def _full(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        s = self.step
+        new, metrics = s.update(state, s.grad(s.loss, state, batch, 1.0))
+        return commit(s.donate, state, new), metrics
+
+    def _micro(
+        self, state: TrainState, acc: AccumState, batch: Batch, n: int, donate_acc: bool
+    ) -> tuple[AccumState, GradOut]:
+        s = self.step
+        g = s.grad(s.loss, state, batch, 1.0 / n)
+        # grads of (mean * mult / n) times (weight * n) = grads of (sum * mult): the
+        # window's gradient is their total over its total weight. With equal
+        # microbatches of a power-of-two count this is bit-identical to loss / n.
+        w = g.weight
+        grads = torch._foreach_add(
+            list(acc.grads.values()), torch._foreach_mul(list(g.grads.values()), w * n)
+        )
+        new = AccumState(
+            grads=dict(zip(acc.grads, grads)), weight=acc.weight + w, value=acc.value + g.value * w
+        )
+        return commit(donate_acc, acc, new), g
+
+    def _last(
+        self, state: TrainState, acc: AccumState, batch: Batch, n: int, reset: bool
+    ) -> tuple[TrainState, Metrics, AccumState | None, torch.Tensor]:
+        s = self.step
+        acc2, g = self._micro(state, acc, batch, n, False)
+        total = acc2.weight
+        grads = dict(zip(acc2.grads, torch._foreach_div(list(acc2.grads.values()), total)))
+        window = GradOut(
+            grads=grads, value=acc2.value / total, weight=total, aux=g.aux, scale=g.scale
+        )
+        new, metrics = s.update(state, window)
+        fresh = None
+        if reset:
+            fresh = commit(s.donate, acc, empty_window(acc.grads, total.device))
+        return commit(s.donate, state, new), metrics, fresh, g.weight
+
+
+def _identity(f: Callable[..., Any]) -> Callable[..., Any]:
+    return f
+
+
+def commit(donate: bool, old: Any, new: Any) -> Any:
+    """With donation, write ``new``'s tensors into ``old``'s and return ``new`` over them.
+
+    This is the one place in-place updates happen: phases compute out of place, and
+    under ``compiled`` the copies fuse into the kernels that produce the values.
+    """
+    if not donate:
+        return new
+    olds = pytree.tree_leaves(old)
+    news, spec = pytree.tree_flatten(new)
+    dst, src = [], []
+    out = list(news)
+    for i, (o, n) in enumerate(zip(olds, news)):
+        if isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o is not n:
+            dst.append(o)
+            src.append(n)
+            out[i] = o
+    if dst:
+        torch._foreach_copy_(dst, src)
+    return pytree.tree_unflatten(out, spec)
+
+
+def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+    check_alive(state, step.name)
+    device = state.device
+    check_batch(batch, device, step.name)
+    given = state
+    state = step.init(state)
+    if not state.module.training:
+        state.module.train()
+    if not step.donate:
+        # BatchNorm updates running stats in place: work on copies to leave inputs intact.
+        state = state.replace(buffers={k: b.clone() for k, b in state.buffers.items()})
+    k = step.kernels
+    acc_cfg = step.accumulation
+    with scoped_rng(state.rng, device) as rng_now:
+        if acc_cfg is None:
+            new, metrics = k.full(state, batch)
+        elif not acc_cfg.across_calls:
+            micro = split(batch, acc_cfg.n, step.name)
+            acc = empty_window(state.params, device)
+            aux_sum: Any = None
+            for mb in micro[:-1]:
+                acc, g = k.micro(state, acc, mb, acc_cfg.n, True)
+                aux_sum = _add_weighted(aux_sum, g.aux, g.weight)
+            new, metrics, _, w_last = k.last(state, acc, micro[-1], acc_cfg.n, False)
+            if aux_sum is not None and "aux" in metrics:
+                total = _add_weighted(aux_sum, metrics["aux"], w_last)
+                weight = acc.weight + w_last
+                metrics["aux"] = pytree.tree_map(lambda t: t / weight if _is_float(t) else t, total)
+        else:
+            window: AccumState = state.substates["grad_accumulate"]
+            rest = {k_: v for k_, v in state.substates.items() if k_ != "grad_accumulate"}
+            inner = state.replace(substates=rest)
+            if window.micro + 1 < acc_cfg.n:
+                acc, g = k.micro(inner, window, batch, acc_cfg.n, step.donate)
+                new = inner.replace(
+                    substates={**rest, "grad_accumulate": acc.replace(micro=window.micro + 1)}
+                )
+                metrics = {"loss": g.value}
+                if g.aux is not None:
+                    metrics["aux"] = g.aux
+            else:
+                new, metrics, fresh, _ = k.last(inner, window, batch, acc_cfg.n, True)
+                new = new.replace(substates={**new.substates, "grad_accumulate": fresh})
+        rng = rng_now()
+    new = new.replace(rng=rng)
+    if step.donate:
+        mark_donated(given, f"step {step.name!r}")
+        if state is not given:
+            mark_donated(state, f"step {step.name!r}")
+    return new, metrics
+
+
+def _add_weighted(total: Any, aux: Any, w: torch.Tensor) -> Any:
+    if aux is None:
+        return None
+    scaled = pytree.tree_map(lambda a: a * w if _is_float(a) else a, aux)
+    if total is None:
+        return scaled
+    return pytree.tree_map(lambda t, a: t + a if _is_float(a) else a, total, scaled)
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()

@@ -1,0 +1,75 @@
+"""Frozen, pytree-registered records: the shape of every piece of fasttorch state.
+
+A record is a stdlib frozen dataclass (``dataclasses.replace`` traces under
+``torch.compile(fullgraph=True)``; attrs' frozen ``__init__`` does not) registered with
+``torch.utils._pytree`` so that ``torch.compile``, ``torch.func`` and checkpointing see
+its tensor leaves. Fields marked ``static`` are configuration, not leaves: they travel in
+the pytree's context, are compared by the compiler's guards, and should not change from
+step to step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch.utils._pytree as pytree
+from typing_extensions import Self, dataclass_transform
+
+__all__ = ["Record", "field"]
+
+_STATIC = "fasttorch_static"
+
+
+def field(*, static: bool = False, **kwargs: Any) -> Any:
+    """A record field; ``static=True`` keeps it out of the pytree leaves."""
+    metadata = dict(kwargs.pop("metadata", None) or {})
+    metadata[_STATIC] = static
+    return dataclasses.field(metadata=metadata, **kwargs)
+
+
+@dataclass_transform(frozen_default=True, field_specifiers=(field, dataclasses.field))
+class Record:
+    """Base class: subclasses become frozen dataclasses registered as pytree nodes.
+
+    Example:
+        >>> import torch
+        >>> from fasttorch import struct
+        >>> class Counter(struct.Record):
+        ...     count: torch.Tensor
+        ...     every: int = struct.field(static=True, default=1)
+        >>> c = Counter(torch.tensor(0))
+        >>> c.replace(count=c.count + 1).count
+        tensor(1)
+        >>> torch.utils._pytree.tree_leaves(c)
+        [tensor(0)]
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        dataclasses.dataclass(frozen=True)(cls)
+        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+        data = tuple(f.name for f in fields if not f.metadata.get(_STATIC, False))
+        static = tuple(f.name for f in fields if f.metadata.get(_STATIC, False))
+
+        def flatten(obj: Any) -> tuple[list[Any], Any]:
+            return [getattr(obj, n) for n in data], tuple(getattr(obj, n) for n in static)
+
+        def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
+            children, ctx = flatten(obj)
+            return [(pytree.GetAttrKey(n), c) for n, c in zip(data, children)], ctx
+
+        def unflatten(children: Any, ctx: Any) -> Any:
+            return cls(**dict(zip(data, children)), **dict(zip(static, ctx)))
+
+        pytree.register_pytree_node(
+            cls,
+            flatten,
+            unflatten,
+            serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
+            flatten_with_keys_fn=flatten_with_keys,
+        )
+
+    def replace(self, **changes: Any) -> Self:
+        """A copy with ``changes`` applied (``dataclasses.replace``); traces under compile."""
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]

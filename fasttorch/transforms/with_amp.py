@@ -1,0 +1,186 @@
+"""``with_amp``: mixed precision, with a dynamic loss scale for fp16."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Literal
+
+import attrs
+import torch
+
+from fasttorch import struct
+from fasttorch.state import TrainState
+from fasttorch.steps import Batch, GradOut, Loss, LossPhase, Metrics, Step, Tensors, global_norm
+
+__all__ = ["LossScaleState", "resolve_precision", "with_amp"]
+
+Precision = Literal["bf16", "fp16", "auto"]
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LossScaleState(struct.Record):
+    """Sub-state ``"amp"`` of an fp16 step: GradScaler's scale and growth counter."""
+
+    scale: torch.Tensor
+    growth_tracker: torch.Tensor
+
+
+@attrs.frozen
+class DynamicLossScale:
+    """GradScaler's rule: x backoff and skip on inf/NaN, x growth after ``interval`` good steps."""
+
+    init_scale: float = attrs.field(validator=attrs.validators.gt(0.0))
+    growth_factor: float = attrs.field(validator=attrs.validators.gt(1.0))
+    backoff_factor: float = attrs.field(
+        validator=[attrs.validators.gt(0.0), attrs.validators.lt(1.0)]
+    )
+    growth_interval: int = attrs.field(validator=attrs.validators.ge(1))
+
+    def init(self, state: TrainState) -> LossScaleState:
+        return LossScaleState(
+            scale=torch.full((), self.init_scale, dtype=torch.float32, device=state.device),
+            growth_tracker=torch.zeros((), dtype=torch.int32, device=state.device),
+        )
+
+    def adjust(self, s: LossScaleState, found_inf: torch.Tensor) -> LossScaleState:
+        """``torch._amp_update_scale_`` as tensor ops (no host sync, traceable)."""
+        successful = s.growth_tracker + 1
+        grow = ~found_inf & (successful >= self.growth_interval)
+        grown = s.scale * self.growth_factor
+        scale = torch.where(
+            found_inf,
+            s.scale * self.backoff_factor,
+            torch.where(grow & torch.isfinite(grown), grown, s.scale),
+        )
+        tracker = torch.where(found_inf | grow, torch.zeros_like(successful), successful)
+        return LossScaleState(scale=scale, growth_tracker=tracker)
+
+
+def resolve_precision(precision: str, device_type: str) -> torch.dtype:
+    """The autocast dtype for ``precision`` on ``device_type``; ``"auto"`` warns once."""
+    if precision in _DTYPES:
+        return _DTYPES[precision]
+    native, why = _native_bf16(device_type)
+    choice = "bf16" if native else "fp16"
+    _warn_once(
+        f"with_amp('auto') chose {choice} on {device_type}: {why}"
+        + ("" if native else "; fp16 adds a dynamic loss scale")
+    )
+    return _DTYPES[choice]
+
+
+def _native_bf16(device_type: str) -> tuple[bool, str]:
+    if device_type == "cuda":
+        if torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False):
+            return True, f"{torch.cuda.get_device_name()} computes bf16 natively"
+        return False, "this GPU has no native bf16 (compute capability < 8.0)"
+    if device_type == "cpu":
+        if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+            return True, "this CPU has AVX512-BF16/AMX bf16 instructions"
+        return False, "this CPU has no AVX512-BF16 or AMX instructions, bf16 would be emulated"
+    return True, f"assuming {device_type} supports bf16"
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, UserWarning, stacklevel=4)
+
+
+def with_amp(
+    step: Step,
+    precision: Precision = "bf16",
+    *,
+    device_type: str | None = None,
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+) -> Step:
+    """Run the forward pass in ``precision`` under ``torch.autocast``.
+
+    ``"bf16"`` needs nothing else. ``"fp16"`` also keeps a dynamic loss scale in
+    ``state.substates["amp"]`` with ``torch.amp.GradScaler``'s defaults and options: the
+    loss is multiplied by the scale before backward; if any gradient is inf/NaN the
+    update is skipped (parameters and optimizer state unchanged, a ``torch.where``, no
+    host sync) and the scale multiplied by ``backoff_factor``; after
+    ``growth_interval`` finite steps in a row it is multiplied by ``growth_factor``.
+    Metrics gain ``loss_scale`` (the scale used this step) and ``skipped``. ``"auto"``
+    picks bf16 where ``device_type`` computes it natively, else fp16, and warns once
+    which it chose and why.
+
+    Equivalent to::
+
+        with torch.autocast(device_type, dtype=torch.float16):
+            loss = loss_fn(model, batch)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+
+    Args:
+        step: a step built by :func:`fasttorch.step`, possibly transformed.
+        precision: ``"bf16"``, ``"fp16"`` or ``"auto"``.
+        device_type: the device ``"auto"`` decides for (default: ``"cuda"`` when
+            available, else ``"cpu"``); the state must live on it.
+        init_scale, growth_factor, backoff_factor, growth_interval: as
+            ``torch.amp.GradScaler``; fp16 only.
+
+    Example:
+        >>> import torch, fasttorch
+        >>> def loss_fn(apply, batch):
+        ...     return apply(batch).float().pow(2).mean()
+        >>> state = fasttorch.TrainState.create(torch.nn.Linear(4, 4), fasttorch.optim.sgd(0.1))
+        >>> amp = fasttorch.with_amp(fasttorch.step(loss_fn), "fp16")
+        >>> state, metrics = amp(state, torch.randn(8, 4))
+        >>> float(metrics["loss_scale"]), bool(metrics["skipped"])
+        (65536.0, False)
+    """
+    if precision not in ("bf16", "fp16", "auto"):
+        raise ValueError(f"with_amp: precision must be 'bf16', 'fp16' or 'auto', got {precision!r}")
+    dev = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = resolve_precision(precision, dev)
+    inner_loss = step.loss
+    check_device = precision == "auto"
+
+    def loss(state: TrainState, params: Tensors, buffers: Tensors, batch: Batch) -> Loss:
+        if check_device and state.device.type != dev:
+            raise ValueError(
+                f"with_amp('auto') chose {dtype} for {dev!r} but the state is on "
+                f"{state.device}; pass device_type={state.device.type!r}"
+            )
+        with torch.autocast(state.device.type, dtype=dtype):
+            return inner_loss(state, params, buffers, batch)
+
+    if dtype == torch.bfloat16:
+        return step.with_phases("with_amp", loss=loss)
+
+    rule = DynamicLossScale(init_scale, growth_factor, backoff_factor, growth_interval)
+    inner_grad, inner_update = step.grad, step.update
+
+    def grad(loss: LossPhase, state: TrainState, batch: Batch, mult: object) -> GradOut:
+        scale = state.substates["amp"].scale
+        return inner_grad(loss, state, batch, mult * scale).replace(scale=scale)
+
+    def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
+        ls: LossScaleState = state.substates["amp"]
+        norm = g.norm
+        if norm is None:
+            norm = global_norm(g.grads)
+            if g.scale is not None:
+                norm = norm * g.scale.double().reciprocal().float()
+        found_inf = ~torch.isfinite(norm)
+        skip = found_inf if g.skip is None else g.skip | found_inf
+        new, metrics = inner_update(state, g.replace(norm=norm, skip=skip))
+        new = new.replace(substates={**new.substates, "amp": rule.adjust(ls, found_inf)})
+        metrics["loss_scale"] = ls.scale
+        metrics["skipped"] = skip
+        return new, metrics
+
+    return step.with_phases(
+        "with_amp",
+        loss=loss,
+        grad=grad,
+        update=update,
+        inits=(*step.inits, ("amp", rule.init)),
+    )

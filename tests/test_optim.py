@@ -1,0 +1,284 @@
+"""fasttorch.optim against torch.optim: parameters and state, step by step."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from fasttorch import optim, schedules
+
+STEPS = 20
+RTOL = 1e-6
+# torch's add(..., alpha=) fuses a multiply-add on CPU; the tensor-scalar foreach ops
+# here round twice, so elements that nearly cancel differ by one ulp of the operands
+# (about 2e-7 for values near 2): an absolute floor of 1e-6 on O(1) values.
+ATOL = 1e-6
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _grads(model: nn.Module, steps: int = STEPS) -> list[dict[str, Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [
+        {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
+        for _ in range(steps)
+    ]
+
+
+def _params(model: nn.Module) -> dict[str, Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _close(a: Tensor, b: Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+# (fasttorch factory kwargs, torch.optim class, torch kwargs)
+CASES: dict[
+    str,
+    tuple[Callable[..., Any], dict[str, Any], Callable[..., torch.optim.Optimizer], dict[str, Any]],
+] = {
+    "sgd": (optim.sgd, {}, torch.optim.SGD, {}),
+    "sgd_wd": (optim.sgd, {"weight_decay": 0.1}, torch.optim.SGD, {"weight_decay": 0.1}),
+    "sgd_momentum": (
+        optim.sgd,
+        {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
+        torch.optim.SGD,
+        {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
+    ),
+    "sgd_nesterov": (
+        optim.sgd,
+        {"momentum": 0.8, "nesterov": True, "weight_decay": 0.01},
+        torch.optim.SGD,
+        {"momentum": 0.8, "nesterov": True, "weight_decay": 0.01},
+    ),
+    "adam": (optim.adam, {}, torch.optim.Adam, {}),
+    "adam_wd": (
+        optim.adam,
+        {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1},
+        torch.optim.Adam,
+        {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1},
+    ),
+    "adamw": (optim.adamw, {}, torch.optim.AdamW, {}),
+    "adamw_wd": (
+        optim.adamw,
+        {"weight_decay": 0.3, "betas": (0.5, 0.9)},
+        torch.optim.AdamW,
+        {"weight_decay": 0.3, "betas": (0.5, 0.9)},
+    ),
+}
+
+SLOT_NAMES = {
+    "momentum_buffer": "momentum_buffer",
+    "exp_avg": "exp_avg",
+    "exp_avg_sq": "exp_avg_sq",
+}
+
+
+def _run_both(
+    case: str,
+    lr: float | schedules.Schedule,
+    torch_lr: Callable[[int], float | None],
+    set_lr: Callable[[int], float | None] = lambda k: None,
+) -> None:
+    """Train both for STEPS steps; compare params and state after every step."""
+    factory, kw, torch_cls, torch_kw = CASES[case]
+    model = _model()
+    ref = copy.deepcopy(model)
+    ref_opt = torch_cls(ref.parameters(), lr=0.05, **torch_kw)
+    names = [n for n, _ in ref.named_parameters()]
+    by_name = dict(ref.named_parameters())
+    opt = factory(lr, **kw)
+    params = _params(model)
+    state = opt.init(params)
+    for k, grads in enumerate(_grads(model)):
+        step = torch.tensor(k)
+        new_lr = set_lr(k)
+        if new_lr is not None:
+            state = optim.set_hyperparams(state, lr=new_lr)
+        lr_k = torch_lr(k)
+        if lr_k is not None:
+            for group in ref_opt.param_groups:
+                group["lr"] = lr_k
+        for n in names:
+            by_name[n].grad = grads[n].clone()
+        ref_opt.step()
+        params, state = opt.update(params, grads, state, step)
+        assert list(params) == names
+        assert int(state.count) == k + 1
+        for n in names:
+            _close(params[n], by_name[n].detach())
+            for slot, buffers in state.slots.items():
+                _close(buffers[n], ref_opt.state[by_name[n]][SLOT_NAMES[slot]])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_torch_optim(case: str) -> None:
+    _run_both(case, 0.05, lambda k: None)
+
+
+@pytest.mark.parametrize("case", ["sgd_momentum", "adam", "adamw_wd"])
+def test_set_hyperparams_lr_mid_run(case: str) -> None:
+    def lr_at(k: int) -> float | None:
+        return {0: 0.05, 7: 0.01, 13: 0.2}.get(k)
+
+    _run_both(case, 0.05, lr_at, set_lr=lr_at)
+
+
+@pytest.mark.parametrize("case", ["sgd_nesterov", "adam_wd", "adamw"])
+def test_scheduled_lr(case: str) -> None:
+    sched = schedules.warmup(5, schedules.cosine(0.1, 10, end=0.001), init=0.01)
+    _run_both(case, sched, lambda k: float(sched(torch.tensor(k))))
+
+
+def test_set_hyperparams_other_values() -> None:
+    """Changing momentum and weight decay mid-run, as param_group edits do."""
+    model = _model()
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+    opt = optim.sgd(0.05, momentum=0.9, weight_decay=0.01)
+    params = _params(model)
+    state = opt.init(params)
+    for k, grads in enumerate(_grads(model, 10)):
+        if k == 5:
+            state = optim.set_hyperparams(state, momentum=0.5, weight_decay=torch.tensor(0.2))
+            ref_opt.param_groups[0].update(momentum=0.5, weight_decay=0.2)
+        for n, p in ref.named_parameters():
+            p.grad = grads[n].clone()
+        ref_opt.step()
+        params, state = opt.update(params, grads, state, torch.tensor(k))
+    for n, p in ref.named_parameters():
+        _close(params[n], p.detach())
+
+
+@pytest.mark.parametrize("factory", [optim.sgd, optim.adam, optim.adamw])
+def test_hyper_dtype_and_learning_rate(factory: Callable[..., Any]) -> None:
+    state = factory(0.1).init({"w": torch.zeros(2)})
+    assert state.count.dtype == torch.int64 and state.count.shape == ()
+    for value in state.hyper.values():
+        assert value.dtype == torch.float64 and value.shape == ()
+    lr = factory(0.1).learning_rate(state, torch.tensor(3))
+    assert lr.dtype == torch.float64 and float(lr) == 0.1
+    sched = factory(schedules.step_decay(1.0, 2, gamma=0.5))
+    sstate = sched.init({"w": torch.zeros(2)})
+    assert "lr" not in sstate.hyper
+    assert float(sched.learning_rate(sstate, torch.tensor(3))) == 0.5
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [
+        optim.sgd(0.1, momentum=0.9, nesterov=True),
+        optim.adam(0.1, weight_decay=0.1),
+        optim.adamw(0.1),
+    ],
+)
+def test_update_is_pure(opt: Any) -> None:
+    model = _model()
+    params = {n: p.detach().clone().requires_grad_(True) for n, p in model.named_parameters()}
+    grads = _grads(model, 2)
+    state = opt.init(params)
+    params, state = opt.update(params, grads[0], state, torch.tensor(0))
+    snapshot = copy.deepcopy((params, grads[1], state))
+    new_params, new_state = opt.update(params, grads[1], state, torch.tensor(1))
+    for a, b in zip(
+        torch.utils._pytree.tree_leaves((params, grads[1], state)),
+        torch.utils._pytree.tree_leaves(snapshot),
+    ):
+        assert torch.equal(a, b)
+    assert int(state.count) == 1 and int(new_state.count) == 2
+    assert all(not p.requires_grad for p in new_params.values())
+    # Same inputs, same outputs.
+    again, _ = opt.update(params, grads[1], state, torch.tensor(1))
+    assert all(torch.equal(again[n], new_params[n]) for n in params)
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [
+        optim.sgd(0.1, momentum=0.9),
+        optim.adam(0.1, weight_decay=0.1),
+        optim.adamw(schedules.one_cycle(0.1, 20)),
+    ],
+    ids=["sgd", "adam", "adamw_scheduled"],
+)
+def test_compiles_once_while_lr_changes(opt: Any) -> None:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    update: Callable[..., Any] = torch.compile(opt.update, fullgraph=True, backend="aot_eager")
+    model = _model()
+    params = _params(model)
+    grads = _grads(model, 10)
+    state = opt.init(params)
+    eager_params, eager_state = params, state
+    for k in range(10):
+        step = torch.tensor(k)
+        if "lr" in state.hyper:
+            state = optim.set_hyperparams(state, lr=0.1 / (k + 1))
+            eager_state = optim.set_hyperparams(eager_state, lr=0.1 / (k + 1))
+        params, state = update(params, grads[k], state, step)
+        eager_params, eager_state = opt.update(eager_params, grads[k], eager_state, step)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+    for n in params:
+        _close(params[n], eager_params[n])
+
+
+def test_empty_params() -> None:
+    opt = optim.adam(0.1)
+    state = opt.init({})
+    params, state = opt.update({}, {}, state, torch.tensor(0))
+    assert params == {} and int(state.count) == 1
+
+
+@pytest.mark.parametrize(
+    ("build", "words"),
+    [
+        (lambda: optim.sgd(-0.1), ["lr=-0.1", "lr >= 0"]),
+        (lambda: optim.sgd(0.1, momentum=-1.0), ["momentum=-1.0", "momentum >= 0"]),
+        (lambda: optim.sgd(0.1, weight_decay=-1e-3), ["weight_decay", ">= 0"]),
+        (lambda: optim.sgd(0.1, nesterov=True), ["nesterov", "momentum > 0"]),
+        (lambda: optim.sgd(0.1, momentum=0.9, dampening=0.1, nesterov=True), ["dampening"]),
+        (lambda: optim.adam(0.1, betas=(1.0, 0.999)), ["beta1=1.0", "0 <= beta1 < 1"]),
+        (lambda: optim.adam(0.1, betas=(0.9, -0.1)), ["beta2=-0.1"]),
+        (lambda: optim.adamw(0.1, eps=-1e-8), ["eps", ">= 0"]),
+        (lambda: optim.adamw(0.1, weight_decay=-0.1), ["weight_decay"]),
+        (lambda: optim.adam(0.1, betas=(0.9,)), ["pair"]),  # type: ignore[arg-type]
+    ],
+)
+def test_bad_arguments(build: Callable[[], object], words: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        build()
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_bad_lr_type() -> None:
+    with pytest.raises(TypeError, match="lr must be a float"):
+        optim.sgd("0.1")  # type: ignore[arg-type]
+
+
+def test_set_hyperparams_errors() -> None:
+    state = optim.sgd(0.1).init({"w": torch.zeros(2)})
+    with pytest.raises(
+        ValueError, match=r"unknown hyperparameter 'momentum'.*\['lr', 'weight_decay'\]"
+    ):
+        optim.set_hyperparams(state, momentum=0.9)
+    with pytest.raises(ValueError, match=r"lr=-1\.0"):
+        optim.set_hyperparams(state, lr=-1.0)
+    with pytest.raises(ValueError, match="1-element"):
+        optim.set_hyperparams(state, lr=torch.ones(2))
+    scheduled = optim.adam(schedules.constant(0.1)).init({"w": torch.zeros(2)})
+    with pytest.raises(ValueError, match="schedule"):
+        optim.set_hyperparams(scheduled, lr=0.1)
+    new = optim.set_hyperparams(state, lr=torch.tensor(0.5, dtype=torch.float32))
+    assert new.hyper["lr"].dtype == torch.float64 and float(new.hyper["lr"]) == 0.5
+    assert float(state.hyper["lr"]) == 0.1

@@ -1,0 +1,159 @@
+"""fasttorch.schedules against torch.optim.lr_scheduler, step by step."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from fasttorch import schedules
+
+TOL = 1e-6
+
+
+def _torch_lrs(
+    base_lr: float,
+    make: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler],
+    steps: int,
+) -> list[float]:
+    """The lr torch's scheduler gives the k-th opt.step(), for k in range(steps)."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base_lr)
+    sched = make(opt)
+    lrs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(steps):
+            lrs.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+    return lrs
+
+
+def _ours(schedule: schedules.Schedule, steps: int) -> list[float]:
+    out = []
+    for k in range(steps):
+        lr = schedule(torch.tensor(k))
+        assert lr.dtype == torch.float64 and lr.shape == ()
+        out.append(float(lr))
+    return out
+
+
+def _assert_close(ours: list[float], ref: list[float]) -> None:
+    assert len(ours) == len(ref)
+    for k, (a, b) in enumerate(zip(ours, ref)):
+        assert math.isclose(a, b, rel_tol=TOL, abs_tol=1e-12), (k, a, b)
+
+
+def test_constant() -> None:
+    _assert_close(_ours(schedules.constant(0.3), 10), [0.3] * 10)
+
+
+def test_linear_warmup_matches_linear_lr() -> None:
+    ref = _torch_lrs(
+        0.5, lambda o: torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=8), 20
+    )
+    _assert_close(_ours(schedules.linear_warmup(0.5, 8, init=0.05), 20), ref)
+
+
+def test_linear_warmup_from_zero() -> None:
+    _assert_close(_ours(schedules.linear_warmup(2.0, 4), 7), [0.0, 0.5, 1.0, 1.5, 2.0, 2.0, 2.0])
+
+
+def test_cosine_matches_cosine_annealing() -> None:
+    ref = _torch_lrs(
+        0.5, lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=15, eta_min=0.01), 16
+    )
+    ours = _ours(schedules.cosine(0.5, 15, end=0.01), 25)
+    _assert_close(ours[:16], ref)
+    _assert_close(ours[16:], [0.01] * 9)  # torch rises again after T_max; this one stays
+
+
+@pytest.mark.parametrize(
+    ("total", "pct", "div", "final"),
+    [(100, 0.3, 25.0, 1e4), (37, 0.25, 10.0, 100.0), (10, 0.5, 5.0, 2.0)],
+)
+def test_one_cycle_matches_one_cycle_lr(total: int, pct: float, div: float, final: float) -> None:
+    ref = _torch_lrs(
+        0.1,
+        lambda o: torch.optim.lr_scheduler.OneCycleLR(
+            o,
+            max_lr=0.4,
+            total_steps=total,
+            pct_start=pct,
+            div_factor=div,
+            final_div_factor=final,
+            cycle_momentum=False,
+        ),
+        total,
+    )
+    ours = _ours(
+        schedules.one_cycle(0.4, total, pct_start=pct, div_factor=div, final_div_factor=final),
+        total + 5,
+    )
+    _assert_close(ours[:total], ref)
+    _assert_close(ours[total:], [ref[-1]] * 5)
+
+
+def test_step_decay_matches_step_lr() -> None:
+    ref = _torch_lrs(0.3, lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5), 30)
+    _assert_close(_ours(schedules.step_decay(0.3, 3, gamma=0.5), 30), ref)
+
+
+def test_warmup_matches_sequential_lr() -> None:
+    def make(o: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        lin = torch.optim.lr_scheduler.LinearLR(o, start_factor=0.2, total_iters=5)
+        cos = torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=20, eta_min=0.001)
+        return torch.optim.lr_scheduler.SequentialLR(o, [lin, cos], milestones=[5])
+
+    ref = _torch_lrs(0.5, make, 25)
+    ours = _ours(schedules.warmup(5, schedules.cosine(0.5, 20, end=0.001), init=0.1), 25)
+    _assert_close(ours, ref)
+
+
+def test_warmup_formula() -> None:
+    then = schedules.step_decay(1.0, 2, gamma=0.5)
+    expected = [0.2 + (1.0 - 0.2) * k / 4 for k in range(4)] + [1.0, 1.0, 0.5, 0.5, 0.25]
+    _assert_close(_ours(schedules.warmup(4, then, init=0.2), 9), expected)
+
+
+def test_schedules_compile_once() -> None:
+    sched = schedules.warmup(3, schedules.one_cycle(1.0, 20), init=0.01)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(sched, fullgraph=True, backend="aot_eager")
+    for k in range(30):
+        step = torch.tensor(k)
+        assert math.isclose(float(compiled(step)), float(sched(step)), rel_tol=1e-12)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize(
+    ("build", "words"),
+    [
+        (lambda: schedules.linear_warmup(1.0, 0), ["warmup_steps", "positive int", "0"]),
+        (lambda: schedules.cosine(1.0, 2.5), ["decay_steps", "2.5"]),  # type: ignore[arg-type]
+        (lambda: schedules.cosine(float("nan"), 3), ["peak", "finite"]),
+        (lambda: schedules.one_cycle(-1.0, 10), ["max_lr=-1.0", ">= 0"]),
+        (
+            lambda: schedules.one_cycle(1.0, 10, pct_start=0.05),
+            ["pct_start", "between 1 and total_steps"],
+        ),
+        (lambda: schedules.one_cycle(1.0, 10, div_factor=0.0), ["div_factor", "> 0"]),
+        (lambda: schedules.step_decay(1.0, 0), ["step_size"]),
+        (lambda: schedules.step_decay(1.0, 2, gamma=-0.5), ["gamma=-0.5"]),
+        (lambda: schedules.warmup(0, schedules.constant(1.0)), ["warmup_steps"]),
+    ],
+)
+def test_bad_arguments(build: Callable[[], object], words: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        build()
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_warmup_then_must_be_callable() -> None:
+    with pytest.raises(TypeError, match="callable"):
+        schedules.warmup(3, 0.5)  # type: ignore[arg-type]
