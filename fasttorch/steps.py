@@ -297,7 +297,8 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
     metrics: Metrics = {
         "loss": g.value,
         "grad_norm": norm,
-        "lr": opt.learning_rate(state.opt_state, state.step),
+        # A copy: a constant lr is a state tensor, overwritten in place under donation.
+        "lr": opt.learning_rate(state.opt_state, state.step).clone(),
     }
     if g.aux is not None:
         metrics["aux"] = g.aux

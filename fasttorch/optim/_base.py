@@ -96,8 +96,8 @@ def check_hyper(owner: str, name: str, value: object) -> None:
     ok, rule = _RANGES[name]
     if math.isnan(value) or not ok(float(value)):
         raise ValueError(
-            f"{owner}: invalid {name}={value!r}; valid values satisfy {rule} "
-            f"(the same rule torch.optim applies). Pass a value in that range."
+            f"{owner}: invalid {name}={value!r}; valid values satisfy {rule}. "
+            "Pass a value in that range."
         )
 
 

@@ -173,7 +173,8 @@ def with_amp(
         skip = found_inf if g.skip is None else g.skip | found_inf
         new, metrics = inner_update(state, g.replace(norm=norm, skip=skip))
         new = new.replace(substates={**new.substates, "amp": rule.adjust(ls, found_inf)})
-        metrics["loss_scale"] = ls.scale
+        # A copy: with donation the state's own scale tensor is overwritten next step.
+        metrics["loss_scale"] = ls.scale.clone()
         metrics["skipped"] = skip
         return new, metrics
 

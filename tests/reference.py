@@ -1,0 +1,133 @@
+"""The hand-written PyTorch loop every fasttorch step is checked against (DESIGN.md).
+
+autocast around the forward; the loss divided by the number of microbatches (or
+weighted by each microbatch's share of the window's samples when sizes differ);
+``scaler.scale(loss).backward()`` per microbatch; ``scaler.unscale_`` once;
+``clip_grad_norm_``; ``scaler.step``; ``scaler.update``; ``zero_grad(set_to_none=True)``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class LayerNormNet(nn.Module):
+    """A small MLP with LayerNorm: the default model of the equivalence tests."""
+
+    def __init__(self, d_in: int = 8, width: int = 32, d_out: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(d_in, width)
+        self.norm = nn.LayerNorm(width)
+        self.hidden = nn.Linear(width, width)
+        self.out = nn.Linear(width, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.inp(x)))
+        return self.out(torch.tanh(self.hidden(h)))
+
+
+class BatchNormNet(nn.Module):
+    """A small MLP with BatchNorm, for buffers (running statistics) in the state."""
+
+    def __init__(self, d_in: int = 8, width: int = 16, d_out: int = 4) -> None:
+        super().__init__()
+        # No bias before BatchNorm: its true gradient is zero, and Adam would turn the
+        # rounding noise left in it into lr-sized steps of random sign.
+        self.inp = nn.Linear(d_in, width, bias=False)
+        self.bn = nn.BatchNorm1d(width)
+        self.out = nn.Linear(width, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.bn(self.inp(x))))
+
+
+def mse(apply: Callable[..., torch.Tensor], batch: Sequence[torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(apply(x).float(), y)
+
+
+def batches(n: int, size: int, *, d_in: int = 8, d_out: int = 4, seed: int = 0) -> list[Any]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(size, d_in, generator=g), torch.randn(size, d_out, generator=g))
+        for _ in range(n)
+    ]
+
+
+def reference_run(
+    model: nn.Module,
+    windows: Iterable[Sequence[Any]],
+    *,
+    loss_fn: Callable[..., torch.Tensor] = mse,
+    make_opt: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    precision: str = "fp32",
+    clip: float | None = None,
+    weight: Callable[[Any], float] | None = None,
+    lr_at: Callable[[int], float] | None = None,
+    scaler_kwargs: dict[str, Any] | None = None,
+) -> tuple[nn.Module, list[dict[str, float]]]:
+    """Train a deep copy of ``model``; each window is the list of its microbatches.
+
+    ``weight(mb)`` gives a microbatch's sample/token count; when given, each
+    microbatch's loss is weighted by ``count / window_count`` instead of ``1 / n``.
+    """
+    model = copy.deepcopy(model)
+    model.train()
+    opt = make_opt(model.parameters())
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16", **(scaler_kwargs or {}))
+    log = []
+    for i, window in enumerate(windows):
+        if lr_at is not None:
+            for group in opt.param_groups:
+                group["lr"] = lr_at(i)
+        total = sum(weight(mb) for mb in window) if weight else None
+        losses = []
+        for mb in window:
+            with torch.autocast(
+                "cpu", dtype=DTYPES.get(precision, torch.float32), enabled=precision != "fp32"
+            ):
+                loss = loss_fn(model, mb)
+            losses.append(loss.detach())
+            if weight is not None:
+                assert total is not None
+                loss = loss * (weight(mb) / total)
+            else:
+                loss = loss / len(window)
+            scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        norm = None
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scale = scaler.get_scale() if scaler.is_enabled() else 1.0
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        log.append(
+            {
+                "loss": float(sum(losses) / len(losses)),
+                "scale": scale,
+                "grad_norm": float(norm) if norm is not None else float("nan"),
+            }
+        )
+    return model, log
+
+
+def assert_params_close(state: Any, model: nn.Module, *, rtol: float, atol: float) -> None:
+    ref = dict(model.named_parameters())
+    assert set(state.params) == set(ref)
+    for name, p in state.params.items():
+        torch.testing.assert_close(
+            p, ref[name].detach(), rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+def assert_buffers_close(state: Any, model: nn.Module) -> None:
+    for name, b in model.named_buffers():
+        torch.testing.assert_close(state.buffers[name], b, rtol=1e-6, atol=1e-7)
