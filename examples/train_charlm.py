@@ -22,15 +22,22 @@ about two minutes on two CPU cores, torch.compile included.
 
 from __future__ import annotations
 
+import os
+
+# On a shared CPU box, OpenMP threads that spin-wait between the many small kernels of a
+# compiled step make it 10-40x slower as soon as another process takes a core; sleeping
+# waiters cost little when the machine is idle. Read once, when torch loads OpenMP, so
+# it must come before `import torch`; set OMP_WAIT_POLICY yourself to override.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import math
-import os
 import sys
 import sysconfig
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -131,7 +138,6 @@ class Block(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
         super().__init__()
         self.n_head = n_head
-        self.dropout = dropout
         self.ln1 = nn.LayerNorm(n_embd)
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
@@ -148,9 +154,9 @@ class Block(nn.Module):
         b, t, c = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        # No attention dropout (dropout_p=0): in torch 2.13, SDPA with dropout_p > 0
+        # under autocast fails inside torch.func.grad, which fasttorch.step uses.
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(b, t, c)
         x = x + self.resid_drop(self.proj(y))
         return x + self.mlp(self.ln2(x))
@@ -219,7 +225,7 @@ def build_step(
     """The composed training step: amp, then accumulation, clipping, compilation."""
     step = fasttorch.step(loss_fn)
     if precision != "fp32":
-        step = fasttorch.with_amp(step, precision)  # type: ignore[arg-type]
+        step = fasttorch.with_amp(step, cast(Literal["bf16", "fp16", "auto"], precision))
     step = fasttorch.grad_accumulate(step, accum)
     step = fasttorch.clip_scaled(step, clip)
     if compile:
@@ -247,7 +253,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         description="Train a character-level GPT on the stdlib's source with fasttorch.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--steps", type=int, default=150, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per optimizer step")
     p.add_argument(
         "--accum", type=int, default=1, help="microbatches per step (divides --batch-size)"
@@ -269,18 +275,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true", help="run the step eagerly")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end")
-    p.add_argument(
-        "--warmup", type=int, default=None, help="warm-up steps (default: steps // 10)"
-    )
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps // 10)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=25)
+    p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="stdlib bytes to read")
     p.add_argument("--val-fraction", type=float, default=0.1)
     p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device"
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="CPU threads (default: torch's choice)"
     )
     args = p.parse_args(argv)
     for name in ("steps", "batch_size", "accum", "block_size", "n_layer", "n_embd", "n_head"):
@@ -288,6 +295,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.batch_size % args.accum:
         p.error(f"--batch-size {args.batch_size} must be a multiple of --accum {args.accum}")
+    if args.threads is not None and args.threads < 1:
+        p.error("--threads must be >= 1")
     if args.log_every < 1 or args.eval_batches < 1:
         p.error("--log-every and --eval-batches must be >= 1")
     if not 0.0 < args.val_fraction < 1.0:
@@ -302,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     args = parse_args(argv)
     device = torch.device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
@@ -327,9 +338,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     n_params = sum(p.numel() for p in model.parameters())  # shared weights counted once
 
     warmup = min(args.warmup, args.steps)
-    schedule = schedules.warmup(
+    schedule = schedules.warmup(  # linear from lr/warmup up to lr, then cosine down
         warmup,
         schedules.cosine(args.lr, max(1, args.steps - warmup), end=args.min_lr),
+        init=args.lr / warmup,
     )
     optimizer = fasttorch.optim.adamw(schedule, weight_decay=args.weight_decay)
     state = fasttorch.TrainState.create(model, optimizer, seed=args.seed)

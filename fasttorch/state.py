@@ -131,11 +131,20 @@ class TrainState(struct.Record):
         return next(iter(self.params.values())).device
 
     def apply(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module with this state's parameters and buffers (no gradients)."""
-        with torch.no_grad():
-            return torch.func.functional_call(
-                self.module, (self.params, self.buffers), args, kwargs
-            )
+        """Run the module in evaluation mode with this state's parameters and buffers.
+
+        No gradients are recorded and the state is left as it is: BatchNorm uses its
+        running statistics instead of updating them, dropout is off.
+        """
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            with torch.no_grad():
+                return torch.func.functional_call(
+                    self.module, (self.params, self.buffers), args, kwargs
+                )
+        finally:
+            self.module.train(was_training)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers keyed like ``module.state_dict()``, for export."""
@@ -187,8 +196,3 @@ def check_alive(state: Any, api: str) -> None:
         )
     if _DONATED in object.__getattribute__(state, "__dict__"):
         _raise_donated(state)
-
-
-def param_items(state: TrainState) -> Mapping[str, torch.Tensor]:
-    """The trainable parameters (helper for transforms)."""
-    return state.params

@@ -394,7 +394,7 @@ def check_wrap(step: Any, transform: str) -> None:
         kind = getattr(step, "__name__", type(step).__name__)
         raise TypeError(
             f"{transform} wraps the phases of a step built by fasttorch.step(loss_fn); "
-            f"got {kind!r}. Only compiled (and profiled) accept any (state, batch) callable"
+            f"got {kind!r}. Only compiled accepts any (state, batch) callable"
         )
     chain = " -> ".join(step.transforms) or "none"
     if transform in _ONCE and transform in step.transforms:
@@ -457,7 +457,8 @@ class _Kernels:
         g = s.grad(s.loss, state, batch, 1.0 / n)
         # grads of (mean * mult / n) times (weight * n) = grads of (sum * mult): the
         # window's gradient is their total over its total weight. With equal
-        # microbatches of a power-of-two count this is bit-identical to loss / n.
+        # microbatches whose size and count are powers of two, every multiply and
+        # divide here is exact and the result is bit-identical to loss / n.
         w = g.weight
         grads = torch._foreach_add(
             list(acc.grads.values()), torch._foreach_mul(list(g.grads.values()), w * n)

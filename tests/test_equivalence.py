@@ -28,7 +28,9 @@ STEPS = 10
 N = 4
 # fp16 starts from a scale that overflows, so skipping, backoff and growth all happen.
 FP16 = {"init_scale": 2.0**22, "growth_interval": 3}
-TOL = {"fp32": (1e-6, 1e-7), "bf16": (1e-5, 1e-6), "fp16": (1e-5, 1e-6)}
+# Parameters: fp32 to 1e-6 (DESIGN.md). In half precision the forward rounds, and a
+# 1-ulp difference in a parameter can flip a rounding there: 1e-4 of dtype tolerance.
+TOL = {"fp32": (1e-6, 1e-7), "bf16": (1e-4, 1e-5), "fp16": (1e-4, 1e-5)}
 # Reported losses: a half-precision forward turns 1e-7 parameter differences into ~1e-4.
 LOSS_TOL = {"fp32": (1e-5, 1e-6), "bf16": (1e-3, 1e-4), "fp16": (1e-3, 1e-4)}
 

@@ -3,8 +3,10 @@
 An optimizer is a small frozen configuration object (built outside the step, validated
 at construction) with three pure methods: ``init`` builds an :class:`OptState`,
 ``learning_rate`` reads the rate for a step, and ``update`` returns new parameters and a
-new state without touching its inputs. Hyperparameters live in the state as 0-d float64
-tensors so that changing them (:func:`set_hyperparams`) never recompiles a step.
+new state without touching its inputs. Hyperparameters live in the state as 0-d float32
+tensors so that changing them (:func:`set_hyperparams`) never recompiles a step (float32,
+as torch's capturable optimizers: ``torch.compile`` turns 0-d float64 CPU tensors into
+Python floats whose values it guards, a read of each on every call).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class OptState(struct.Record):
     Attributes:
         count: int64 0-d tensor on the parameters' device, the number of updates
             applied so far (Adam's bias correction uses ``count + 1``).
-        hyper: 0-d float64 tensors on the parameters' device, by name ("lr",
+        hyper: 0-d float32 tensors on the parameters' device, by name ("lr",
             "weight_decay", "momentum", "dampening", "beta1", "beta2", "eps" as the
             algorithm needs); change them with :func:`set_hyperparams`.
         slots: per-parameter buffers by slot name, then parameter name
@@ -61,7 +63,7 @@ class Optimizer(Protocol):
         ...
 
     def learning_rate(self, opt_state: OptState, step: Tensor) -> Tensor:
-        """The 0-d float64 learning rate used by ``update`` at training step ``step``."""
+        """The 0-d learning rate ``update`` uses at training step ``step``."""
         ...
 
     def update(
@@ -109,11 +111,11 @@ def check_lr(owner: str, lr: object) -> None:
 
 
 def make_hyper(lr: LearningRate, device: torch.device, **values: float) -> dict[str, Tensor]:
-    """0-d float64 hyperparameter tensors on ``device``; "lr" only when it is a float."""
+    """0-d float32 hyperparameter tensors on ``device``; "lr" only when it is a float."""
     if not callable(lr):
         values = {"lr": float(lr), **values}
     return {
-        name: torch.tensor(float(v), dtype=torch.float64, device=device)
+        name: torch.tensor(float(v), dtype=torch.float32, device=device)
         for name, v in values.items()
     }
 
@@ -157,7 +159,7 @@ def set_hyperparams(opt_state: OptState, **values: float | Tensor) -> OptState:
         >>> from fasttorch import optim
         >>> state = optim.adamw(1e-3).init({"w": torch.zeros(3)})
         >>> optim.set_hyperparams(state, lr=1e-4).hyper["lr"]
-        tensor(0.0001, dtype=torch.float64)
+        tensor(1.0000e-04)
     """
     hyper = dict(opt_state.hyper)
     for name, value in values.items():

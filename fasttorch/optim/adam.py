@@ -57,7 +57,7 @@ class Adam:
         check_hyper(owner, "weight_decay", self.weight_decay)
 
     def init(self, params: Mapping[str, Tensor]) -> OptState:
-        """Count 0, hyperparameters as 0-d float64 tensors, zero first and second moments."""
+        """Count 0, hyperparameters as 0-d float32 tensors, zero first and second moments."""
         device = params_device(params)
         hyper = make_hyper(
             self.lr,
@@ -76,7 +76,7 @@ class Adam:
         )
 
     def learning_rate(self, opt_state: OptState, step: Tensor) -> Tensor:
-        """``self.lr(step)`` for a schedule, else ``opt_state.hyper["lr"]`` (0-d float64)."""
+        """``self.lr(step)`` for a schedule, else ``opt_state.hyper["lr"]`` (0-d float32)."""
         return scheduled_or_fixed_lr(self.lr, opt_state, step)
 
     def update(

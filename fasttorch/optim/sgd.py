@@ -57,7 +57,7 @@ class SGD:
         return self.momentum > 0
 
     def init(self, params: Mapping[str, Tensor]) -> OptState:
-        """Count 0, hyperparameters as 0-d float64 tensors, zero momentum buffers."""
+        """Count 0, hyperparameters as 0-d float32 tensors, zero momentum buffers."""
         device = params_device(params)
         values = {"weight_decay": self.weight_decay}
         slots: dict[str, dict[str, Tensor]] = {}
@@ -71,7 +71,7 @@ class SGD:
         )
 
     def learning_rate(self, opt_state: OptState, step: Tensor) -> Tensor:
-        """``self.lr(step)`` for a schedule, else ``opt_state.hyper["lr"]`` (0-d float64)."""
+        """``self.lr(step)`` for a schedule, else ``opt_state.hyper["lr"]`` (0-d float32)."""
         return scheduled_or_fixed_lr(self.lr, opt_state, step)
 
     def update(

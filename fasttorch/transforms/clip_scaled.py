@@ -7,7 +7,7 @@ import math
 import torch
 
 from fasttorch.state import TrainState
-from fasttorch.steps import GradOut, Metrics, Step, global_norm, reciprocal
+from fasttorch.steps import GradOut, Metrics, Step, check_wrap, global_norm, reciprocal
 
 __all__ = ["clip_scaled"]
 
@@ -46,6 +46,7 @@ def clip_scaled(step: Step, max_norm: float) -> Step:
         >>> bool(metrics["grad_norm"] > 1.0)  # the norm before clipping
         True
     """
+    check_wrap(step, "clip_scaled")
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
         raise TypeError(f"clip_scaled: max_norm must be a number, got {type(max_norm).__name__}")
     if not max_norm > 0:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fasttorch.state import TrainState
-from fasttorch.steps import AccumState, Accumulation, Step, empty_window
+from fasttorch.steps import AccumState, Accumulation, Step, check_wrap, empty_window
 
 __all__ = ["grad_accumulate"]
 
@@ -53,6 +53,7 @@ def grad_accumulate(step: Step, n: int, *, across_calls: bool = False) -> Step:
         >>> int(state.step)
         1
     """
+    check_wrap(step, "grad_accumulate")
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"grad_accumulate: n must be an integer >= 1, got {n!r}")
     if not isinstance(across_calls, bool):

@@ -11,7 +11,17 @@ import torch
 
 from fasttorch import struct
 from fasttorch.state import TrainState
-from fasttorch.steps import Batch, GradOut, Loss, LossPhase, Metrics, Step, Tensors, global_norm
+from fasttorch.steps import (
+    Batch,
+    GradOut,
+    Loss,
+    LossPhase,
+    Metrics,
+    Step,
+    Tensors,
+    check_wrap,
+    global_norm,
+)
 
 __all__ = ["LossScaleState", "resolve_precision", "with_amp"]
 
@@ -20,10 +30,19 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class LossScaleState(struct.Record):
-    """Sub-state ``"amp"`` of an fp16 step: GradScaler's scale and growth counter."""
+    """Sub-state ``"amp"`` of an fp16 step: GradScaler's scale and growth counter.
+
+    Attributes:
+        scale: the loss scale (float32 0-d).
+        growth_tracker: finite steps since the scale last changed (int32 0-d).
+        skipped_total: updates skipped for non-finite gradients so far (int64 0-d).
+        skipped_in_a_row: consecutive skipped updates up to now (int64 0-d).
+    """
 
     scale: torch.Tensor
     growth_tracker: torch.Tensor
+    skipped_total: torch.Tensor
+    skipped_in_a_row: torch.Tensor
 
 
 @attrs.frozen
@@ -38,9 +57,12 @@ class DynamicLossScale:
     growth_interval: int = attrs.field(validator=attrs.validators.ge(1))
 
     def init(self, state: TrainState) -> LossScaleState:
+        zero = torch.zeros((), dtype=torch.int64, device=state.device)
         return LossScaleState(
             scale=torch.full((), self.init_scale, dtype=torch.float32, device=state.device),
             growth_tracker=torch.zeros((), dtype=torch.int32, device=state.device),
+            skipped_total=zero,
+            skipped_in_a_row=zero.clone(),
         )
 
     def adjust(self, s: LossScaleState, found_inf: torch.Tensor) -> LossScaleState:
@@ -54,7 +76,12 @@ class DynamicLossScale:
             torch.where(grow & torch.isfinite(grown), grown, s.scale),
         )
         tracker = torch.where(found_inf | grow, torch.zeros_like(successful), successful)
-        return LossScaleState(scale=scale, growth_tracker=tracker)
+        return LossScaleState(
+            scale=scale,
+            growth_tracker=tracker,
+            skipped_total=s.skipped_total + found_inf.long(),
+            skipped_in_a_row=torch.where(found_inf, s.skipped_in_a_row + 1, 0),
+        )
 
 
 def resolve_precision(precision: str, device_type: str) -> torch.dtype:
@@ -105,7 +132,8 @@ def with_amp(
     update is skipped (parameters and optimizer state unchanged, a ``torch.where``, no
     host sync) and the scale multiplied by ``backoff_factor``; after
     ``growth_interval`` finite steps in a row it is multiplied by ``growth_factor``.
-    Metrics gain ``loss_scale`` (the scale used this step) and ``skipped``. ``"auto"``
+    Metrics gain ``loss_scale`` (the scale used this step) and ``skipped``; the sub-state
+    counts skipped updates (``skipped_total``, ``skipped_in_a_row``). ``"auto"``
     picks bf16 where ``device_type`` computes it natively, else fp16, and warns once
     which it chose and why.
 
@@ -136,6 +164,7 @@ def with_amp(
         >>> float(metrics["loss_scale"]), bool(metrics["skipped"])
         (65536.0, False)
     """
+    check_wrap(step, "with_amp")
     if precision not in ("bf16", "fp16", "auto"):
         raise ValueError(f"with_amp: precision must be 'bf16', 'fp16' or 'auto', got {precision!r}")
     dev = device_type or ("cuda" if torch.cuda.is_available() else "cpu")

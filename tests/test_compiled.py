@@ -1,0 +1,121 @@
+"""compiled: one graph, no graph breaks, no recompiles while lr, loss scale and step change."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from reference import LayerNormNet, batches, mse
+
+import fasttorch
+
+counters = torch._dynamo.utils.counters
+
+
+def _composed(**compile_kwargs):
+    s = fasttorch.with_amp(fasttorch.step(mse), "fp16", init_scale=2.0**20, growth_interval=5)
+    return fasttorch.compiled(fasttorch.clip_scaled(s, 1.0), **compile_kwargs)
+
+
+def test_fifty_steps_one_graph_no_breaks_no_recompiles():
+    sched = fasttorch.schedules.warmup(10, fasttorch.schedules.cosine(1e-2, 40))
+    torch.manual_seed(0)
+    state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.adamw(sched))
+    step = _composed(backend="aot_eager")
+    lrs, scales = set(), set()
+    data = batches(50, 16)
+    data[20] = (data[20][0] * float("inf"), data[20][1])  # an overflow mid-run
+    for b in data:
+        state, m = step(state, b)
+        lrs.add(float(m["lr"]))
+        scales.add(float(m["loss_scale"]))
+    assert len(lrs) > 40 and len(scales) >= 3, "lr and loss scale really changed"
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["recompiles"].values()) == 0
+    assert not counters["graph_break"]
+    assert int(state.step) == 50 and int(state.substates["amp"].skipped_total) >= 1
+
+
+def test_changing_hyperparameters_does_not_recompile():
+    torch.manual_seed(0)
+    state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.adamw(1e-2))
+    step = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    for i, b in enumerate(batches(6, 16)):
+        state = state.replace(
+            opt_state=fasttorch.optim.set_hyperparams(state.opt_state, lr=1e-3 * (i + 1))
+        )
+        state, m = step(state, b)
+        assert float(m["lr"]) == pytest.approx(1e-3 * (i + 1))
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["recompiles"].values()) == 0
+
+
+def test_compiled_equals_eager_with_aot_eager():
+    torch.manual_seed(0)
+    model = LayerNormNet()
+    data = batches(5, 16)
+    out = []
+    for step in (
+        _composed(backend="aot_eager"),
+        fasttorch.clip_scaled(
+            fasttorch.with_amp(fasttorch.step(mse), "fp16", init_scale=2.0**20, growth_interval=5),
+            1.0,
+        ),
+    ):
+        state = fasttorch.TrainState.create(copy.deepcopy(model), fasttorch.optim.adamw(1e-2))
+        for b in data:
+            state, _ = step(state, b)
+        out.append(state.params)
+    for k in out[0]:
+        torch.testing.assert_close(out[0][k], out[1][k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_inductor_tiny_model_matches_eager():
+    """The one test here that pays for inductor's code generation."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    data = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(4)]
+    results = []
+    for compile_it in (True, False):
+        step = fasttorch.clip_scaled(fasttorch.step(mse), 1.0)
+        if compile_it:
+            step = fasttorch.compiled(step)
+        state = fasttorch.TrainState.create(copy.deepcopy(model), fasttorch.optim.adamw(1e-2))
+        for b in data:
+            state, _ = step(state, b)
+        results.append(state.params)
+    for k in results[0]:
+        torch.testing.assert_close(results[0][k], results[1][k], rtol=1e-5, atol=1e-6)
+    assert not counters["graph_break"]
+
+
+def test_compiles_any_state_batch_callable():
+    calls = []
+
+    def custom(state, batch):
+        calls.append(1)
+        return state, {"n": batch.sum()}
+
+    fast = fasttorch.compiled(custom, backend="aot_eager")
+    assert fast.__name__ == "custom"
+    _, m = fast(torch.zeros(2), torch.ones(3))
+    assert float(m["n"]) == 3.0
+    with pytest.raises(ValueError, match="already compiled"):
+        fasttorch.compiled(fast)
+    with pytest.raises(TypeError, match="expects a step or a callable"):
+        fasttorch.compiled(3)
+
+
+def test_graph_break_in_a_loss_function_is_an_error_by_default():
+    def breaks(apply, batch):
+        x, y = batch
+        print("host side effect")
+        torch._dynamo.graph_break()
+        return mse(apply, (x, y))
+
+    torch.manual_seed(0)
+    state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.sgd(0.1))
+    with pytest.raises(Exception, match="(?i)graph.break"):
+        fasttorch.compiled(fasttorch.step(breaks), backend="aot_eager")(state, batches(1, 8)[0])

@@ -1,0 +1,166 @@
+"""grad_accumulate: the mean over every sample or token of the window, whatever the split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import LayerNormNet, batches, mse, reference_run
+from torch import nn
+
+import fasttorch
+
+
+def _state(opt=None):
+    torch.manual_seed(0)
+    return fasttorch.TrainState.create(LayerNormNet(), opt or fasttorch.optim.sgd(0.1))
+
+
+def _params(state):
+    return {k: v.clone() for k, v in state.params.items()}
+
+
+def _close(a, b, rtol=1e-6, atol=1e-7):
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_unequal_microbatches_equal_one_full_batch_step(mode):
+    batch = batches(1, 30)[0]  # tensor_split(4): 8, 8, 7, 7 rows
+    full, _ = fasttorch.step(mse, donate=False)(_state(), batch)
+    step = fasttorch.grad_accumulate(fasttorch.step(mse, donate=False), 4)
+    if mode == "compiled":
+        step = fasttorch.compiled(step, backend="aot_eager", dynamic=False)
+    acc, m = step(_state(), batch)
+    _close(_params(acc), _params(full))
+    torch.testing.assert_close(m["loss"], mse(_state().apply, batch))
+
+
+def test_unequal_microbatches_match_the_weighted_reference_loop():
+    torch.manual_seed(0)
+    model = LayerNormNet()
+    data = batches(5, 30)
+    windows = [list(zip(x.tensor_split(4), y.tensor_split(4))) for x, y in data]
+    ref, _ = reference_run(
+        model,
+        windows,
+        weight=lambda mb: len(mb[0]),
+        make_opt=lambda p: torch.optim.AdamW(p, lr=1e-2),
+        clip=1.0,
+    )
+    state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(1e-2, weight_decay=1e-2))
+    step = fasttorch.clip_scaled(fasttorch.grad_accumulate(fasttorch.step(mse), 4), 1.0)
+    for b in data:
+        state, _ = step(state, b)
+    # Weights of 8/30 and 7/30 are not powers of two, so the two sides round differently:
+    # compare to 1e-6 of each tensor's magnitude rather than of each element.
+    for k, p in ref.named_parameters():
+        scale = float(p.detach().abs().max())
+        torch.testing.assert_close(state.params[k], p.detach(), rtol=1e-6, atol=1e-6 * scale)
+
+
+def _token_loss(apply, batch):
+    x, y, mask = batch
+    per_token = (apply(x) - y).pow(2).mean(-1)  # (rows,)
+    count = mask.sum()
+    return fasttorch.Loss((per_token * mask).sum() / count, weight=count)
+
+
+def _token_batch(rows=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(rows, 8, generator=g), torch.randn(rows, 4, generator=g)
+    mask = torch.zeros(rows)
+    mask[:3] = 1  # the first microbatch has 3 tokens, the others 8 each
+    mask[8:] = 1
+    return x, y, mask
+
+
+def test_token_weighted_loss_equals_the_global_token_mean():
+    batch = _token_batch()
+    full, _ = fasttorch.step(_token_loss, donate=False)(_state(), batch)
+    acc, m = fasttorch.grad_accumulate(fasttorch.step(_token_loss, donate=False), 4)(
+        _state(), batch
+    )
+    _close(_params(acc), _params(full))
+    x, y, mask = batch
+    expected = (((_state().apply(x) - y).pow(2).mean(-1)) * mask).sum() / mask.sum()
+    torch.testing.assert_close(m["loss"], expected)
+
+
+def test_the_naive_loss_over_n_differs_so_the_check_has_teeth():
+    batch = _token_batch()
+
+    def naive(apply, b):  # the 2024 bug: each microbatch's mean, divided by n
+        return fasttorch.Loss(_token_loss(apply, b).value, weight=1.0)
+
+    full, _ = fasttorch.step(_token_loss, donate=False)(_state(), batch)
+    bad, _ = fasttorch.grad_accumulate(fasttorch.step(naive, donate=False), 4)(_state(), batch)
+    diff = max((bad.params[k] - full.params[k]).abs().max().item() for k in full.params)
+    assert diff > 1e-4
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_across_calls_updates_on_the_nth_call_only(mode):
+    step = fasttorch.grad_accumulate(fasttorch.step(_token_loss), 4, across_calls=True)
+    if mode == "compiled":
+        step = fasttorch.compiled(step, backend="aot_eager", dynamic=False)
+    state = _state()
+    start = _params(state)
+    full = _token_batch(seed=3)
+    micro = [tuple(t[i * 8 : (i + 1) * 8] for t in full) for i in range(4)]
+    for i, mb in enumerate(micro[:3]):
+        state, m = step(state, mb)
+        assert set(m) == {"loss"} and int(state.step) == 0
+        assert state.substates["grad_accumulate"].micro == i + 1
+        _close(_params(state), start, rtol=0, atol=0)
+    state, m = step(state, micro[3])
+    assert int(state.step) == 1 and state.substates["grad_accumulate"].micro == 0
+    assert all(float(g.abs().sum()) == 0 for g in state.substates["grad_accumulate"].grads.values())
+    ref, _ = fasttorch.step(_token_loss, donate=False)(_state(), full)
+    _close(_params(state), _params(ref))
+    if mode == "compiled":
+        stats = torch._dynamo.utils.counters["stats"]
+        assert stats["unique_graphs"] <= 2
+
+
+def test_across_calls_compiles_two_graphs_and_never_recompiles():
+    step = fasttorch.compiled(
+        fasttorch.grad_accumulate(
+            fasttorch.with_amp(fasttorch.step(mse), "fp16"), 3, across_calls=True
+        ),
+        backend="aot_eager",
+    )
+    state = _state(fasttorch.optim.adamw(fasttorch.schedules.cosine(1e-2, 10)))
+    for b in batches(12, 8):
+        state, _ = step(state, b)
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] == 2
+    assert sum(counters["recompiles"].values()) == 0 and not counters["graph_break"]
+    assert int(state.step) == 4
+
+
+def test_within_call_compiles_two_graphs():
+    step = fasttorch.compiled(
+        fasttorch.grad_accumulate(fasttorch.step(mse), 4), backend="aot_eager"
+    )
+    state = _state()
+    for b in batches(5, 32):
+        state, _ = step(state, b)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+def test_disabled_and_bad_arguments():
+    s = fasttorch.step(mse)
+    assert fasttorch.grad_accumulate(s, 1) is s
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match="integer >= 1"):
+            fasttorch.grad_accumulate(s, bad)
+    with pytest.raises(TypeError, match="across_calls must be a bool"):
+        fasttorch.grad_accumulate(s, 2, across_calls="yes")
+
+
+def test_batchnorm_sees_each_microbatch():
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.BatchNorm1d(8), nn.Linear(8, 4))
+    state = fasttorch.TrainState.create(model, fasttorch.optim.sgd(0.1))
+    state, _ = fasttorch.grad_accumulate(fasttorch.step(mse), 4)(state, batches(1, 32)[0])
+    assert int(state.buffers["1.num_batches_tracked"]) == 4

@@ -1,0 +1,228 @@
+"""fasttorch.step: purity, donation, RNG, metrics and clear errors for bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import BatchNormNet, LayerNormNet, batches, mse
+from torch import nn
+
+import fasttorch
+from fasttorch.state import DonatedStateError
+
+
+def _state(model=None, seed=0):
+    torch.manual_seed(0)
+    return fasttorch.TrainState.create(
+        model or LayerNormNet(), fasttorch.optim.adamw(1e-2), seed=seed
+    )
+
+
+def _snapshot(state):
+    return [t.clone() for t in torch.utils._pytree.tree_leaves(state)]
+
+
+def _all_transforms(donate, mode="eager"):
+    s = fasttorch.step(mse, donate=donate)
+    s = fasttorch.clip_scaled(fasttorch.with_amp(s, "fp16"), 1.0)
+    s = fasttorch.grad_accumulate(s, 2, across_calls=True)
+    return fasttorch.compiled(s, backend="aot_eager") if mode == "compiled" else s
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_no_donation_leaves_the_input_state_bit_identical(mode):
+    step = _all_transforms(donate=False, mode=mode)
+    state = step.init(_state(BatchNormNet()))
+    for b in batches(3, 8):
+        before = _snapshot(state)
+        new, metrics = step(state, b)
+        after = torch.utils._pytree.tree_leaves(state)
+        assert all(torch.equal(x, y) for x, y in zip(before, after))
+        if "lr" in metrics:  # an updating call: copying semantics give new parameter tensors
+            assert all(
+                a.data_ptr() != c.data_ptr()
+                for a, c in zip(state.params.values(), new.params.values())
+            )
+        state = new
+    assert int(state.step) == 1
+
+
+def test_same_state_and_batch_give_the_same_result_with_dropout():
+    model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.5), nn.Linear(32, 4))
+    step = fasttorch.step(mse, donate=False)
+    state = _state(model, seed=7)
+    b = batches(1, 16)[0]
+    torch.manual_seed(123)
+    outside = torch.get_rng_state()
+    a, ma = step(state, b)
+    torch.manual_seed(999)  # the caller's generator does not matter ...
+    c, mc = step(state, b)
+    assert torch.equal(ma["loss"], mc["loss"])
+    assert all(torch.equal(x, y) for x, y in zip(a.params.values(), c.params.values()))
+    assert not torch.equal(a.rng, state.rng)  # ... the state's generator advanced
+    d, md = step(a, b)
+    assert not torch.equal(md["loss"], ma["loss"])  # next step draws a new mask
+    other = _state(model, seed=8)
+    _, mo = step(other, b)
+    assert not torch.equal(mo["loss"], ma["loss"])  # another seed, another mask
+    torch.manual_seed(123)
+    step(state, b)
+    assert torch.equal(torch.get_rng_state(), outside)  # the caller's stream is untouched
+
+
+def test_donation_updates_in_place_and_kills_the_input():
+    step = fasttorch.step(mse)
+    state = _state()
+    ptrs = [p.data_ptr() for p in state.params.values()]
+    new, _ = step(state, batches(1, 8)[0])
+    assert [p.data_ptr() for p in new.params.values()] == ptrs
+    with pytest.raises(DonatedStateError, match=r"donated to step 'mse'.*donate=False"):
+        _ = state.params
+    with pytest.raises(DonatedStateError):
+        step(state, batches(1, 8)[0])
+    assert repr(state) == "TrainState(<donated>)"
+    new, _ = step(new, batches(1, 8)[0])  # the returned state is alive
+    assert int(new.step) == 2
+
+
+def test_donation_keeps_the_module_in_sync():
+    model = LayerNormNet()
+    state = fasttorch.TrainState.create(model, fasttorch.optim.sgd(0.1))
+    state, _ = fasttorch.step(mse)(state, batches(1, 8)[0])
+    assert torch.equal(model.inp.weight, state.params["inp.weight"])
+
+
+def test_metrics_are_tensors_and_aux_is_returned():
+    def loss_fn(apply, batch):
+        x, y = batch
+        out = apply(x)
+        return nn.functional.mse_loss(out, y), {"mean_out": out.mean()}
+
+    state, m = fasttorch.step(loss_fn)(_state(), batches(1, 8)[0])
+    assert set(m) == {"loss", "grad_norm", "lr", "aux"}
+    assert all(isinstance(v, torch.Tensor) and v.ndim == 0 for k, v in m.items() if k != "aux")
+    assert isinstance(m["aux"]["mean_out"], torch.Tensor)
+
+
+def test_aux_is_averaged_over_microbatches_like_the_loss():
+    def loss_fn(apply, batch):
+        x, y = batch
+        return nn.functional.mse_loss(apply(x), y), {"x_mean": x.mean()}
+
+    b = batches(1, 32)[0]
+    step = fasttorch.grad_accumulate(fasttorch.step(loss_fn), 4)
+    _, m = step(_state(), b)
+    torch.testing.assert_close(m["aux"]["x_mean"], b[0].mean())
+
+
+def test_step_keeps_the_loss_functions_name_and_doc():
+    def my_loss(apply, batch):
+        """My loss."""
+        return mse(apply, batch)
+
+    s = fasttorch.clip_scaled(fasttorch.with_amp(fasttorch.step(my_loss), "bf16"), 1.0)
+    assert s.__name__ == "my_loss" and s.__doc__ == "My loss."
+    assert s.transforms == ("with_amp", "clip_scaled")
+
+
+def test_init_adds_substates_once_and_the_first_call_does_it_too():
+    step = fasttorch.grad_accumulate(
+        fasttorch.with_amp(fasttorch.step(mse), "fp16"), 2, across_calls=True
+    )
+    s0 = _state()
+    s1 = step.init(s0)
+    assert set(s1.substates) == {"amp", "grad_accumulate"} and s0.substates == {}
+    assert step.init(s1) is s1
+    s2, _ = step(_state(), batches(1, 8)[0])
+    assert set(s2.substates) == {"amp", "grad_accumulate"}
+
+
+def test_errors_for_bad_batches():
+    step = fasttorch.step(mse)
+    state = _state()
+    x, y = batches(1, 8)[0]
+    with pytest.raises(TypeError, match=r"batch\[1\]\[0\] is a float.*torch.as_tensor"):
+        step(state, (x, [1.0, 2.0]))
+    with pytest.raises(TypeError, match="expects a fasttorch.TrainState as its first argument"):
+        step((x, y), state)
+    with pytest.raises(ValueError, match=r"batch\[0\] is on meta but the state is on cpu"):
+        step(state, (x.to("meta"), y))
+    with pytest.raises(TypeError, match="holds no tensors"):
+        step(state, ())
+    with pytest.raises(ValueError, match="(?s)same leading.*Tensor"):
+        fasttorch.grad_accumulate(step, 2)(state, (x, y[:6]))
+    with pytest.raises(ValueError, match="batch of 8 cannot be split into 16"):
+        fasttorch.grad_accumulate(step, 16)(state, (x, y))
+
+
+def test_wrong_batch_structure_names_the_loss_function_and_the_batch():
+    step = fasttorch.step(mse, donate=False)
+    x, y = batches(1, 8)[0]
+    with pytest.raises(ValueError) as info:
+        step(_state(), (x, y, y))  # mse unpacks two items
+    assert "raised inside loss function 'mse'" in "\n".join(info.value.__notes__)
+    assert "Tensor(8, 8):float32@cpu" in "\n".join(info.value.__notes__)
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused():
+    def per_sample(apply, batch):
+        x, y = batch
+        return (apply(x) - y).pow(2).mean(1)
+
+    with pytest.raises(ValueError, match=r"0-d floating tensor.*shape \(8,\).*\.mean\(\)"):
+        fasttorch.step(per_sample)(_state(), batches(1, 8)[0])
+    with pytest.raises(ValueError, match="got int"):
+        fasttorch.step(lambda apply, batch: 3)(_state(), batches(1, 8)[0])
+
+
+def test_create_refuses_non_floating_params_mixed_devices_and_torch_optimizers():
+    m = nn.Linear(2, 2)
+    m.idx = nn.Parameter(torch.zeros(2, dtype=torch.long), requires_grad=False)
+    with pytest.raises(TypeError, match=r"'idx' has dtype torch.int64.*register_buffer"):
+        fasttorch.TrainState.create(m, fasttorch.optim.sgd(0.1))
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to("meta"))
+    with pytest.raises(ValueError, match="more than one device"):
+        fasttorch.TrainState.create(m, fasttorch.optim.sgd(0.1))
+    with pytest.raises(TypeError, match="torch.optim optimizers keep hidden mutable state"):
+        fasttorch.TrainState.create(
+            nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), 0.1)
+        )
+    with pytest.raises(ValueError, match="nothing to train"):
+        fasttorch.TrainState.create(nn.Linear(2, 2).requires_grad_(False), fasttorch.optim.sgd(0.1))
+    with pytest.raises(TypeError, match="expects a loss function"):
+        fasttorch.step(3)
+
+
+def test_frozen_parameters_are_carried_not_trained():
+    m = LayerNormNet()
+    m.inp.requires_grad_(False)
+    state = fasttorch.TrainState.create(m, fasttorch.optim.sgd(0.1))
+    assert "inp.weight" in state.buffers and "inp.weight" not in state.params
+    w = state.buffers["inp.weight"].clone()
+    state, _ = fasttorch.step(mse)(state, batches(1, 8)[0])
+    assert torch.equal(state.buffers["inp.weight"], w)
+
+
+def test_state_is_a_pytree_and_exports_a_state_dict():
+    state = _state(BatchNormNet())
+    paths = [
+        torch.utils._pytree.keystr(p)
+        for p, _ in torch.utils._pytree.tree_flatten_with_path(state)[0]
+    ]
+    assert ".params['inp.weight']" in paths and ".buffers['bn.running_mean']" in paths
+    fresh = BatchNormNet()
+    fresh.load_state_dict(state.state_dict())
+    x = torch.randn(4, 8)
+    fresh.eval()
+    before = {k: b.clone() for k, b in state.buffers.items()}
+    torch.testing.assert_close(fresh(x), state.apply(x))
+    assert state.module.training  # apply evaluates in eval mode and restores the mode
+    assert all(torch.equal(before[k], b) for k, b in state.buffers.items())
+
+
+def test_module_left_in_eval_mode_is_trained_in_train_mode():
+    model = BatchNormNet()
+    state = fasttorch.TrainState.create(model, fasttorch.optim.sgd(0.1))
+    model.eval()
+    state, _ = fasttorch.step(mse)(state, batches(1, 8)[0])
+    assert int(state.buffers["bn.num_batches_tracked"]) == 1
