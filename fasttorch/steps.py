@@ -17,14 +17,16 @@ the RNG scope, the accumulation loop (``grad_accumulate``), compiled kernels
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from collections.abc import Callable, Mapping
-from typing import Any, TypeAlias
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol, TypeAlias
 
 import attrs
 import torch
 import torch.utils._pytree as pytree
-from torch.func import functional_call, grad_and_value
+from torch.func import functional_call
 
 from fasttorch import struct
 from fasttorch._rng import scoped_rng
@@ -119,6 +121,7 @@ class Step:
     donate: bool = True
     transforms: tuple[str, ...] = ()
     compile_options: Mapping[str, Any] | None = None
+    sync: Any = None
 
     def __attrs_post_init__(self) -> None:
         # Keep the wrapped loss function's name and docs, as functools.wraps would.
@@ -259,20 +262,51 @@ def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> G
     """Gradients of ``loss.value * mult`` with respect to ``state.params``.
 
     ``mult`` carries the factors transforms put on the loss before backward: ``1/n``
-    for accumulation, the loss scale for fp16. Buffers go in as a second argument (not
-    closed over) so that BatchNorm's in-place running-stat updates trace under compile.
+    for accumulation, the loss scale for fp16. The gradients come from
+    ``torch.autograd.grad`` on detached leaves (``compiled`` lets dynamo trace it), as
+    ``loss.backward()`` computes them; parameters the loss does not use get zeros.
+    While a data-parallel reduction is active (``fasttorch.distributed``, eager only),
+    each parameter's hook hands its gradient to the reducer as soon as it is ready.
     """
+    reduction = None if torch.compiler.is_compiling() else _REDUCTION.get()
+    params = {k: p.detach().requires_grad_() for k, p in state.params.items()}
+    with torch.enable_grad():
+        out = loss(state, params, state.buffers, batch)
+        handles = [] if reduction is None else reduction.attach(params, out)
+        try:
+            grads = torch.autograd.grad(
+                out.value * mult, list(params.values()), allow_unused=True, materialize_grads=True
+            )
+        finally:
+            for h in handles:
+                h.remove()
+    aux = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out.aux)
+    return GradOut(
+        grads=dict(zip(params, grads)), value=out.value.detach(), weight=out.weight, aux=aux
+    )
 
-    def f(params: Tensors, buffers: Tensors) -> tuple[torch.Tensor, dict[str, Any]]:
-        out = loss(state, params, buffers, batch)
-        # grad_and_value's aux must hold tensors only: leave a missing aux out.
-        extra = {"value": out.value, "weight": out.weight}
-        if out.aux is not None:
-            extra["aux"] = out.aux
-        return out.value * mult, extra
 
-    grads, (_, extra) = grad_and_value(f, has_aux=True)(state.params, state.buffers)
-    return GradOut(grads=grads, value=extra["value"], weight=extra["weight"], aux=extra.get("aux"))
+class Reduction(Protocol):
+    """What the gradient phase needs from an active data-parallel reduction."""
+
+    def attach(self, params: Tensors, out: Loss) -> list[Any]:
+        """Register per-parameter gradient hooks after the forward; return their handles."""
+        ...
+
+
+_REDUCTION: contextvars.ContextVar[Reduction | None] = contextvars.ContextVar(
+    "fasttorch_reduction", default=None
+)
+
+
+@contextlib.contextmanager
+def reducing(reduction: Reduction) -> Iterator[None]:
+    """Make ``reduction`` receive the gradients of the grad phases run in this block."""
+    token = _REDUCTION.set(reduction)
+    try:
+        yield
+    finally:
+        _REDUCTION.reset(token)
 
 
 def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
@@ -384,7 +418,14 @@ def split(batch: Batch, n: int, api: str) -> list[Batch]:
 # --------------------------------------------------------------------------- composition
 
 # Transforms that reach into phases; they need a Step and must come before `compiled`.
-PHASE_TRANSFORMS = ("with_amp", "grad_accumulate", "clip_scaled")
+PHASE_TRANSFORMS = (
+    "with_amp",
+    "grad_accumulate",
+    "clip_scaled",
+    "sync_on_last",
+    "ema",
+    "skip_nonfinite",
+)
 _ONCE = (*PHASE_TRANSFORMS, "compiled")
 
 
@@ -440,10 +481,18 @@ class _Kernels:
         if step.compile_options is None:
             wrap = _identity
         else:
-            wrap = functools.partial(torch.compile, **step.compile_options)
+            options = dict(step.compile_options)
+
+            def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
+                return compile_step_fn(f, **options)
+
         self.full = wrap(self._full)
         self.micro = wrap(self._micro)
         self.last = wrap(self._last)
+        # Data parallel: the last microbatch runs eagerly around a compiled forward
+        # (its backward hooks launch collectives), then the update is one graph.
+        self.forward = wrap(step.loss)
+        self.apply = wrap(self._apply)
 
     def _full(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         s = self.step
@@ -468,6 +517,10 @@ class _Kernels:
         )
         return commit(donate_acc, acc, new), g
 
+    def _apply(self, state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
+        new, metrics = self.step.update(state, g)
+        return commit(self.step.donate, state, new), metrics
+
     def _last(
         self, state: TrainState, acc: AccumState, batch: Batch, n: int, reset: bool
     ) -> tuple[TrainState, Metrics, AccumState | None, torch.Tensor]:
@@ -485,8 +538,35 @@ class _Kernels:
         return commit(s.donate, state, new), metrics, fresh, g.weight
 
 
+def _synced_last(
+    k: _Kernels, state: TrainState, acc: AccumState | None, batch: Batch, n: int, reset: bool
+) -> tuple[TrainState, Metrics, AccumState | None, torch.Tensor]:
+    """The window's last microbatch with its gradients reduced across ranks."""
+    s = k.step
+    reduction = s.sync.reduction(state.params, acc, n, state.step)
+    with reducing(reduction):
+        g = s.grad(k.forward, state, batch, 1.0 / n)
+    new, metrics = k.apply(state, reduction.finish(g))
+    fresh = None
+    if reset and acc is not None:
+        fresh = commit(s.donate, acc, empty_window(acc.grads, g.weight.device))
+    return new, metrics, fresh, g.weight
+
+
 def _identity(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
+
+
+def compile_step_fn(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """``torch.compile(fn)``, called with dynamo allowed to trace ``torch.autograd.grad``."""
+    compiled_fn = torch.compile(fn, **options)
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(trace_autograd_ops=True):
+            return compiled_fn(*args, **kwargs)
+
+    return run
 
 
 def commit(donate: bool, old: Any, new: Any) -> Any:
@@ -524,9 +604,12 @@ def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metri
         state = state.replace(buffers={k: b.clone() for k, b in state.buffers.items()})
     k = step.kernels
     acc_cfg = step.accumulation
+    last = k.last if step.sync is None else functools.partial(_synced_last, k)
     with scoped_rng(state.rng, device) as rng_now:
-        if acc_cfg is None:
+        if acc_cfg is None and step.sync is None:
             new, metrics = k.full(state, batch)
+        elif acc_cfg is None:
+            new, metrics, _, _ = last(state, None, batch, 1, False)
         elif not acc_cfg.across_calls:
             micro = split(batch, acc_cfg.n, step.name)
             acc = empty_window(state.params, device)
@@ -534,7 +617,7 @@ def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metri
             for mb in micro[:-1]:
                 acc, g = k.micro(state, acc, mb, acc_cfg.n, True)
                 aux_sum = _add_weighted(aux_sum, g.aux, g.weight)
-            new, metrics, _, w_last = k.last(state, acc, micro[-1], acc_cfg.n, False)
+            new, metrics, _, w_last = last(state, acc, micro[-1], acc_cfg.n, False)
             if aux_sum is not None and "aux" in metrics:
                 total = _add_weighted(aux_sum, metrics["aux"], w_last)
                 weight = acc.weight + w_last
@@ -552,7 +635,7 @@ def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metri
                 if g.aux is not None:
                     metrics["aux"] = g.aux
             else:
-                new, metrics, fresh, _ = k.last(inner, window, batch, acc_cfg.n, True)
+                new, metrics, fresh, _ = last(inner, window, batch, acc_cfg.n, True)
                 new = new.replace(substates={**new.substates, "grad_accumulate": fresh})
         rng = rng_now()
     new = new.replace(rng=rng)

@@ -6,9 +6,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
-import torch
-
-from fasttorch.steps import Step, check_wrap
+from fasttorch.steps import Step, check_wrap, compile_step_fn
 
 __all__ = ["compiled"]
 
@@ -60,6 +58,11 @@ def compiled(
         opts["mode"] = mode
     if options is not None:
         opts["options"] = options
+    if getattr(step, "__fasttorch_profiled__", False):  # set by fasttorch.profiled
+        raise ValueError(
+            "compiled cannot wrap a profiled step: the profiler steps on the host, which "
+            "inside a graph is a graph break. Write profiled(compiled(step), dir=...) instead"
+        )
     if isinstance(step, Step):
         check_wrap(step, "compiled")
         return step.with_phases("compiled", compile_options=opts)
@@ -67,7 +70,7 @@ def compiled(
         raise TypeError(f"compiled expects a step or a callable, got {type(step).__name__}")
     if getattr(step, "__fasttorch_compiled__", False):
         raise ValueError("compiled: this callable is already compiled; apply compiled once")
-    fn: Callable[..., Any] = torch.compile(step, **opts)
+    fn = compile_step_fn(step, **opts)
 
     @functools.wraps(step)
     def run(state: Any, batch: Any) -> Any:

@@ -1,0 +1,13 @@
+"""Data-parallel fasttorch on ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+``setup()`` joins the group torchrun describes, ``replicate(state)`` makes every rank
+start from rank 0's tensors with its own RNG, and ``sync_on_last(step)`` reduces the
+gradients of each accumulation window across ranks, overlapping backward. See
+docs/distributed.md.
+"""
+
+from fasttorch.distributed.reducer import DistributedStepError
+from fasttorch.distributed.setup import backend_for, replicate, setup
+from fasttorch.distributed.sync_on_last import sync_on_last
+
+__all__ = ["DistributedStepError", "backend_for", "replicate", "setup", "sync_on_last"]

@@ -1,0 +1,223 @@
+"""The gradient reducer: bucketed, asynchronous all-reduce started from backward hooks.
+
+``DistributedDataParallel`` cannot sync gradients of tensors swapped in with
+``functional_call`` (DESIGN.md), so fasttorch reduces its own. Parameters are grouped in
+buckets of about ``bucket_mb`` in a fixed order (reverse definition order, roughly the
+order backward produces them). During the window's last backward each parameter's hook
+adds its gradient to the window's accumulated one, copies the sum into its bucket, and
+when a bucket is full its ``all_reduce`` starts, asynchronously, while backward goes on.
+Buckets launch strictly in index order on every rank, since collectives pair up by order.
+
+Alongside, one small SUM all-reduce carries the window's counts: total weight (samples or
+tokens) and loss, so the result is the mean over the global batch, plus ``n``, ``n**2``,
+``step`` and ``step**2``, from which every rank can tell whether all ranks are at the same
+optimizer step with the same number of microbatches (equal iff ``R * sum(x**2) ==
+sum(x)**2``): a mismatch is an error, not silently averaged windows.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from fasttorch.steps import GradOut, Loss, Tensors
+
+__all__ = ["DistributedStepError", "Reducer", "SyncConfig", "WindowReduction"]
+
+
+class DistributedStepError(RuntimeError):
+    """Ranks disagree, or a collective did not complete within the timeout."""
+
+
+@attrs.frozen
+class SyncConfig:
+    """How ``sync_on_last`` reduces: the process group, bucket size and timeout."""
+
+    group: Any = None
+    bucket_mb: float = attrs.field(default=25.0, validator=attrs.validators.gt(0.0))
+    timeout: datetime.timedelta = datetime.timedelta(minutes=5)
+    # Layouts by parameter signature; a memo, not training state.
+    _layouts: dict[Any, list[list[str]]] = attrs.field(factory=dict, eq=False, repr=False)
+
+    def buckets(self, params: Mapping[str, torch.Tensor]) -> list[list[str]]:
+        """Parameter names per bucket, in launch order (deterministic on every rank)."""
+        key = tuple((k, tuple(p.shape), p.dtype, p.device) for k, p in params.items())
+        if key not in self._layouts:
+            limit = self.bucket_mb * 2**20
+            out: list[list[str]] = []
+            size = 0.0
+            for name in reversed(list(params)):
+                p = params[name]
+                if (
+                    out
+                    and size + p.numel() * p.element_size() <= limit
+                    and _same_kind(params[out[-1][0]], p)
+                ):
+                    out[-1].append(name)
+                    size += p.numel() * p.element_size()
+                else:
+                    out.append([name])
+                    size = p.numel() * p.element_size()
+            self._layouts[key] = out
+        return self._layouts[key]
+
+
+def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.device == b.device
+
+
+class WindowReduction:
+    """The reduction of one accumulation window's gradients (one per optimizer step)."""
+
+    def __init__(
+        self,
+        config: SyncConfig,
+        params: Mapping[str, torch.Tensor],
+        acc: Any,
+        n: int,
+        step: torch.Tensor,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise DistributedStepError(
+                "sync_on_last needs torch.distributed: launch with torchrun and call "
+                "fasttorch.distributed.setup() (or dist.init_process_group) first"
+            )
+        self.config, self.acc, self.n, self.step = config, acc, n, step
+        self.names = config.buckets(params)
+        self.bucket_of = {k: i for i, names in enumerate(self.names) for k in names}
+        self.flats: list[torch.Tensor | None] = [None] * len(self.names)
+        self.slots: dict[str, torch.Tensor] = {}
+        self.done: set[str] = set()
+        self.filled = [0] * len(self.names)
+        self.work: list[Any] = []
+        self.launched = 0
+        self.weight: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+        self.counts_work: Any = None
+        self.params = params
+
+    # -- called by the gradient phase --------------------------------------------------
+    def attach(self, params: Tensors, out: Loss) -> list[Any]:
+        self._begin(out)
+        return [p.register_hook(self._hook(k)) for k, p in params.items()]  # type: ignore[no-untyped-call]
+
+    def _begin(self, out: Loss) -> None:
+        """After the forward: the counts are known, so their reduction starts first."""
+        w = out.weight.to(torch.float64)
+        acc_w = 0.0 if self.acc is None else self.acc.weight.to(torch.float64)
+        acc_v = 0.0 if self.acc is None else self.acc.value.to(torch.float64)
+        v = out.value.detach().to(torch.float64)
+        n = float(self.n)
+        s = self.step.to(torch.float64)
+        one = torch.ones((), dtype=torch.float64, device=w.device)
+        self.weight = out.weight.detach()
+        self.counts = torch.stack([w + acc_w, v * w + acc_v, one, one * n, one * n * n, s, s * s])
+        self.counts_work = dist.all_reduce(self.counts, group=self.config.group, async_op=True)
+
+    def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self._put(name, grad)
+
+        return hook
+
+    # -- bucket bookkeeping ------------------------------------------------------------
+    def _flat(self, i: int) -> torch.Tensor:
+        flat = self.flats[i]
+        if flat is None:
+            ps = [self.params[k] for k in self.names[i]]
+            flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
+            offset = 0
+            for k, p in zip(self.names[i], ps):
+                self.slots[k] = flat[offset : offset + p.numel()].view_as(p)
+                offset += p.numel()
+            self.flats[i] = flat
+        return flat
+
+    def _put(self, name: str, grad: torch.Tensor) -> None:
+        if name in self.done:
+            return
+        i = self.bucket_of[name]
+        self._flat(i)
+        assert self.weight is not None
+        # The gradient of (mean * mult / n), times weight * n: that of (sum * mult).
+        contrib = grad * (self.weight * self.n)
+        if self.acc is not None:
+            contrib = contrib + self.acc.grads[name]
+        self.slots[name].copy_(contrib)
+        self.done.add(name)
+        self.filled[i] += 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self.launched < len(self.names) and self.filled[self.launched] == len(
+            self.names[self.launched]
+        ):
+            flat = self.flats[self.launched]
+            self.work.append(dist.all_reduce(flat, group=self.config.group, async_op=True))
+            self.launched += 1
+
+    # -- after backward ------------------------------------------------------------------
+    def finish(self, g: GradOut) -> GradOut:
+        """Wait for every reduction and return the window's global mean gradient."""
+        for name in self.bucket_of:  # parameters whose hook did not fire (no gradient)
+            if name not in self.done:
+                self._put(name, g.grads[name])
+        timeout = self.config.timeout
+        self._wait(self.counts_work, timeout, "the window's sample counts")
+        assert self.counts is not None
+        for i, w in enumerate(self.work):
+            self._wait(w, timeout, f"gradient bucket {i}")
+        self._check_agreement(self.counts)
+        total, value = self.counts[0], self.counts[1]
+        grads: dict[str, torch.Tensor] = {}
+        denom = total.to(next(iter(self.slots.values())).dtype)
+        for name in self.params:
+            grads[name] = self.slots[name] / denom
+        return GradOut(
+            grads=grads,
+            value=(value / total).to(g.value.dtype),
+            weight=total.to(torch.float32),
+            aux=g.aux,
+            scale=g.scale,
+        )
+
+    def _wait(self, work: Any, timeout: datetime.timedelta, what: str) -> None:
+        try:
+            ok = work.wait(timeout)
+        except RuntimeError as e:
+            raise DistributedStepError(self._timeout_message(what, timeout)) from e
+        if ok is False:
+            raise DistributedStepError(self._timeout_message(what, timeout))
+
+    def _timeout_message(self, what: str, timeout: datetime.timedelta) -> str:
+        return (
+            f"rank {dist.get_rank(self.config.group)} waited {timeout.total_seconds():g} s "
+            f"for the all-reduce of {what} at the end of an accumulation window, and "
+            "another rank did not join: every rank must run the same number of steps and "
+            "microbatches per update (same grad_accumulate n, same number of batches)"
+        )
+
+    def _check_agreement(self, counts: torch.Tensor) -> None:
+        ranks, n1, n2, s1, s2 = counts[2], counts[3], counts[4], counts[5], counts[6]
+        agree = torch.isclose(ranks * n2, n1 * n1) & torch.isclose(ranks * s2, s1 * s1)
+        if counts.device.type != "cpu":
+            return  # a device-side assert would kill the CUDA context; docs/distributed.md
+        try:
+            # A tensor condition, not a Python branch: on CPU it raises here and now.
+            torch._assert_async(agree, "ranks disagree")
+        except RuntimeError as e:
+            raise DistributedStepError(
+                f"ranks disagree on the accumulation window: rank "
+                f"{dist.get_rank(self.config.group)} runs {self.n} microbatches per update "
+                "but another rank is at a different optimizer step or runs another number "
+                "of microbatches. Give every rank the same grad_accumulate n and the same "
+                "number of batches"
+            ) from e
+
+
+Reducer = WindowReduction

@@ -1,0 +1,94 @@
+"""Starting data-parallel training: the process group, and a state put on it."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from fasttorch._rng import initial_rng_state
+from fasttorch.state import TrainState, check_alive
+
+__all__ = ["backend_for", "replicate", "setup"]
+
+
+def backend_for(device: torch.device | str) -> str:
+    """The collective backend for a device: NCCL on CUDA, gloo on CPU."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def setup(
+    device: torch.device | str | None = None,
+    *,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+) -> tuple[int, int, torch.device]:
+    """Join the process group ``torchrun`` describes; return ``(rank, world, device)``.
+
+    The backend is picked from the device (:func:`backend_for`). With CUDA each process
+    takes ``cuda:LOCAL_RANK``. Outside torchrun (no ``WORLD_SIZE``) it does nothing and
+    returns ``(0, 1, device)``. Launch with ``torchrun --standalone --nproc_per_node=N``
+    on one machine, or ``--nnodes=M --node-rank=I --rdzv-endpoint=HOST:PORT`` across
+    machines.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and not dist.is_initialized():
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {"backend": backend_for(device), "timeout": timeout}
+        if device.type == "cuda":
+            kwargs["device_id"] = device
+        dist.init_process_group(**kwargs)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def replicate(state: TrainState, *, group: Any = None, src: int = 0) -> TrainState:
+    """Put ``state`` on the process group: the same tensors everywhere, an RNG per rank.
+
+    Every tensor leaf (parameters, buffers, optimizer and transform state) is broadcast
+    from rank ``src`` in place, after checking that every rank has the same structure
+    (names, shapes, dtypes), so a mismatch is a clear error rather than a hang. Each rank
+    then gets its own RNG stream, derived from the state's generator and the rank, so
+    dropout masks differ across ranks and are reproducible.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized, or ranks' states differ.
+    """
+    check_alive(state, "fasttorch.distributed.replicate")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fasttorch.distributed.replicate needs an initialized process group: launch "
+            "with torchrun and call fasttorch.distributed.setup() first"
+        )
+    leaves = [
+        (pytree.keystr(path), x)
+        for path, x in pytree.tree_flatten_with_path(state)[0]
+        if isinstance(x, torch.Tensor) and x is not state.rng
+    ]
+    signature = [(k, tuple(x.shape), str(x.dtype)) for k, x in leaves]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, signature, group=group)
+    for rank, theirs in enumerate(gathered):
+        if theirs != signature:
+            first = next((a, b) for a, b in zip([*signature, None], [*theirs, None]) if a != b)
+            raise RuntimeError(
+                f"rank {rank}'s state differs from rank {dist.get_rank(group)}'s: "
+                f"{first[1]} there, {first[0]} here. Build the same model, optimizer and "
+                "transforms on every rank (and call step.init(state) on all or none)"
+            )
+    for _, x in leaves:
+        dist.broadcast(x, src=src, group=group)
+    g = torch.Generator().manual_seed(0)
+    g.set_state(state.rng.cpu() if state.rng.device.type != "cpu" else state.rng)
+    base = int(torch.randint(0, 2**62, (1,), generator=g))
+    seed = (base + 1_000_003 * dist.get_rank(group)) % 2**63
+    return state.replace(rng=initial_rng_state(state.device, seed))

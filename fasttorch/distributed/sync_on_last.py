@@ -1,0 +1,72 @@
+"""``sync_on_last``: data-parallel gradients, reduced once per accumulation window."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+
+from fasttorch.distributed.reducer import SyncConfig, WindowReduction
+from fasttorch.steps import Step, check_wrap
+
+__all__ = ["sync_on_last"]
+
+
+class _Sync(SyncConfig):
+    def reduction(self, params: Any, acc: Any, n: int, step: torch.Tensor) -> WindowReduction:
+        return WindowReduction(self, params, acc, n, step)
+
+
+def sync_on_last(
+    step: Step,
+    *,
+    group: Any = None,
+    bucket_mb: float = 25.0,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=5),
+) -> Step:
+    """Average gradients across ranks, on the last microbatch of each window only.
+
+    Every rank runs the same step on its own shard of the global batch. Microbatches
+    before the last accumulate locally with no communication; during the last backward
+    each parameter's gradient (plus the accumulated window) goes into a bucket whose
+    asynchronous ``all_reduce`` starts as soon as the bucket is full, overlapping the
+    rest of backward. The window's sample (or token) counts are reduced too, so the
+    update uses the mean over the whole global batch, equal to one process training on
+    all of it, whatever the sizes of the ranks' microbatches. Without
+    ``grad_accumulate`` it reduces every step. An inf/NaN on any rank reaches every
+    rank's sum, so with fp16 every rank skips the step and backs off the scale alike.
+
+    Equivalent to (DDP, equal shards)::
+
+        for i, micro in enumerate(microbatches):
+            ctx = ddp.no_sync() if i < n - 1 else contextlib.nullcontext()
+            with ctx:
+                (loss_fn(ddp, micro) / n).backward()
+        opt.step()
+
+    Args:
+        step: a step built by :func:`fasttorch.step`, possibly transformed (any order
+            with ``with_amp``, ``grad_accumulate``, ``clip_scaled``; before ``compiled``).
+        group: the process group (default: the world).
+        bucket_mb: bucket size in MiB.
+        timeout: how long a rank waits for the others before it raises
+            :class:`DistributedStepError` instead of hanging.
+
+    Example:
+        >>> import torch, fasttorch
+        >>> from fasttorch.distributed import sync_on_last
+        >>> def loss_fn(apply, batch):
+        ...     return apply(batch).pow(2).mean()
+        >>> step = sync_on_last(fasttorch.grad_accumulate(fasttorch.step(loss_fn), 4))
+        >>> step.transforms
+        ('grad_accumulate', 'sync_on_last')
+    """
+    check_wrap(step, "sync_on_last")
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+        raise ValueError(f"sync_on_last: bucket_mb must be a number > 0, got {bucket_mb!r}")
+    if not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"sync_on_last: timeout must be a datetime.timedelta, got {timeout!r}")
+    return step.with_phases(
+        "sync_on_last", sync=_Sync(group=group, bucket_mb=float(bucket_mb), timeout=timeout)
+    )

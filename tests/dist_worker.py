@@ -1,0 +1,248 @@
+"""Checks run inside each rank of a 2-process gloo group (tests/test_distributed.py).
+
+Run by ``torch.multiprocessing`` from the tests, or by ``torchrun`` for the smoke test:
+``python -m torch.distributed.run --standalone --nproc_per_node=2 tests/dist_worker.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from reference import LayerNormNet, mse
+
+import fasttorch
+from fasttorch.distributed import (
+    DistributedStepError,
+    replicate,
+    setup,
+    sync_on_last,
+)
+
+ROWS = (16, 14)  # rank 0 and rank 1 shards of a 30-row global batch: unequal on purpose
+
+
+def global_batches(steps, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(30, 8, generator=g), torch.randn(30, 4, generator=g)) for _ in range(steps)
+    ]
+
+
+def shard(batch, rank):
+    lo = sum(ROWS[:rank])
+    return tuple(t[lo : lo + ROWS[rank]] for t in batch)
+
+
+def new_state(seed=0, opt=None):
+    torch.manual_seed(seed)
+    return fasttorch.TrainState.create(LayerNormNet(), opt or fasttorch.optim.adamw(1e-2))
+
+
+def params_equal_across_ranks(state):
+    flat = torch.cat([p.reshape(-1) for p in state.params.values()])
+    out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, flat)
+    return all(torch.equal(out[0], o) for o in out[1:])
+
+
+def max_rel_diff(a, b):
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max()) for k in b)
+
+
+def check_equals_single_process(rank, across, mode):
+    """Data parallel with unequal shards == one process on the full batch (within 1e-6)."""
+    n = 2
+    data = global_batches(4)
+    ref = fasttorch.clip_scaled(fasttorch.step(mse, donate=False), 1.0)
+    ref_state = new_state()
+    for b in data:
+        ref_state, _ = ref(ref_state, b)
+    step = fasttorch.clip_scaled(
+        sync_on_last(fasttorch.grad_accumulate(fasttorch.step(mse), n, across_calls=across)), 1.0
+    )
+    if mode == "compiled":
+        step = fasttorch.compiled(step, backend="aot_eager", dynamic=False)
+    state = replicate(new_state(seed=rank))  # rank 1 starts elsewhere: replicate fixes it
+    equal_every_step = True
+    for b in data:
+        mine = shard(b, rank)
+        if across:
+            for micro in zip(*(t.tensor_split(n) for t in mine)):
+                state, _ = step(state, tuple(micro))
+        else:
+            state, m = step(state, mine)
+        equal_every_step &= params_equal_across_ranks(state)
+    return {
+        "rel_diff": max_rel_diff(state.params, ref_state.params),
+        "bitwise_equal_every_step": bool(equal_every_step),
+        "steps": int(state.step),
+    }
+
+
+def check_collective_counts(rank):
+    """No collective before the last microbatch; one per bucket + one for counts on it."""
+    calls = []
+    original = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return original(tensor, *args, **kwargs)
+
+    out = {}
+    for bucket_mb, name in ((25.0, "one_bucket"), (1e-4, "bucket_per_param")):
+        step = sync_on_last(
+            fasttorch.grad_accumulate(fasttorch.step(mse), 3, across_calls=True),
+            bucket_mb=bucket_mb,
+        )
+        state = replicate(new_state())
+        per_call = []
+        dist.all_reduce = counting
+        try:
+            for b in global_batches(6):
+                calls.clear()
+                state, _ = step(state, shard(b, rank))
+                per_call.append(len(calls))
+        finally:
+            dist.all_reduce = original
+        out[name] = per_call
+    out["n_params"] = len(new_state().params)
+    return out
+
+
+def check_fp16_overflow_on_one_rank(rank):
+    step = sync_on_last(fasttorch.with_amp(fasttorch.step(mse), "fp16"))
+    state = replicate(new_state())
+    b = shard(global_batches(1)[0], rank)
+    if rank == 1:
+        b = (b[0] * float("inf"), b[1])
+    before = {k: v.clone() for k, v in state.params.items()}
+    state, m = step(state, b)
+    scales = [torch.zeros(()) for _ in range(2)]
+    dist.all_gather(scales, state.substates["amp"].scale)
+    return {
+        "skipped": bool(m["skipped"]),
+        "unchanged": all(torch.equal(before[k], state.params[k]) for k in before),
+        "scales": [float(s) for s in scales],
+    }
+
+
+def check_replicate_rng(rank):
+    state = replicate(new_state(seed=rank))
+    rngs = [torch.zeros_like(state.rng) for _ in range(2)]
+    dist.all_gather(rngs, state.rng)
+    return {
+        "rng_differs": not torch.equal(rngs[0], rngs[1]),
+        "params_equal": params_equal_across_ranks(state),
+    }
+
+
+def check_no_recompiles_compiled(rank):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    step = fasttorch.compiled(
+        sync_on_last(fasttorch.grad_accumulate(fasttorch.with_amp(fasttorch.step(mse), "fp16"), 2)),
+        backend="aot_eager",
+    )
+    state = replicate(new_state(opt=fasttorch.optim.adamw(fasttorch.schedules.cosine(1e-2, 10))))
+    for b in global_batches(6):
+        state, _ = step(state, shard(b, rank))
+    c = torch._dynamo.utils.counters
+    return {
+        "recompiles": sum(c["recompiles"].values()),
+        "graph_breaks": len(c["graph_break"]),
+        "graphs": c["stats"]["unique_graphs"],
+        "equal": params_equal_across_ranks(state),
+    }
+
+
+def check_disagreeing_microbatches(rank):
+    n = 2 if rank == 0 else 3
+    step = sync_on_last(
+        fasttorch.grad_accumulate(fasttorch.step(mse), n), timeout=datetime.timedelta(seconds=20)
+    )
+    state = replicate(new_state())
+    t = time.monotonic()
+    try:
+        step(state, shard(global_batches(1)[0], rank))
+    except DistributedStepError as e:
+        return {"error": str(e), "seconds": time.monotonic() - t}
+    return {"error": None}
+
+
+def check_missing_rank_times_out(rank):
+    """Rank 1 stops early: rank 0 gets an error within the timeout, not a hang."""
+    step = sync_on_last(fasttorch.step(mse), timeout=datetime.timedelta(seconds=3))
+    state = replicate(new_state())
+    if rank == 1:
+        time.sleep(8)
+        return {"error": None}
+    t = time.monotonic()
+    try:
+        step(state, shard(global_batches(1)[0], rank))
+    except DistributedStepError as e:
+        return {"error": str(e), "seconds": time.monotonic() - t}
+    return {"error": None}
+
+
+CHECKS = {
+    "within_eager": lambda r: check_equals_single_process(r, False, "eager"),
+    "across_eager": lambda r: check_equals_single_process(r, True, "eager"),
+    "within_compiled": lambda r: check_equals_single_process(r, False, "compiled"),
+    "counts": check_collective_counts,
+    "fp16": check_fp16_overflow_on_one_rank,
+    "rng": check_replicate_rng,
+    "compiled": check_no_recompiles_compiled,
+    "disagree": check_disagreeing_microbatches,
+    "timeout": check_missing_rank_times_out,  # last: it leaves the group unusable
+}
+
+
+def run(rank, world, port, out_dir):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    setup("cpu")
+    results = {}
+    for name, check in CHECKS.items():
+        try:
+            results[name] = check(rank)
+        except Exception:
+            results[name] = {"exception": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    os._exit(0)  # the timed-out group cannot be torn down cleanly
+
+
+def smoke():
+    """Under torchrun: a few data-parallel steps; prints one line per rank."""
+    torch.set_num_threads(1)
+    rank, world, device = setup()
+    step = sync_on_last(fasttorch.grad_accumulate(fasttorch.step(mse), 2))
+    state = replicate(new_state())
+    for b in global_batches(3):
+        state, m = step(state, shard(b, rank))
+    line = (
+        f"rank {rank}/{world} on {device}: step {int(state.step)} "
+        f"loss {float(m['loss']):.4f} equal={params_equal_across_ranks(state)}\n"
+    )
+    sys.stdout.write(line)  # one write per rank: the ranks share the pipe
+    sys.stdout.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    smoke()

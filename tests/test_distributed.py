@@ -1,0 +1,139 @@
+"""Data parallel on gloo with 2 processes: one spawned group runs every check (a group
+costs seconds to start), each with a timeout so that a hang fails instead of stalling."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from dist_worker import run
+from reference import LayerNormNet, mse
+
+import fasttorch
+from fasttorch.distributed import backend_for, sync_on_last
+
+HERE = Path(__file__).resolve().parent
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    ctx = mp.start_processes(
+        run, args=(2, _free_port(), str(out)), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline_s = 420
+    start = time.monotonic()
+    while not ctx.join(timeout=5):
+        if time.monotonic() - start > deadline_s:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the 2-rank group did not finish within {deadline_s} s (a hang)")
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return ranks
+
+
+def _get(results, name):
+    for r, res in enumerate(results):
+        assert "exception" not in res[name], f"rank {r}:\n{res[name].get('exception')}"
+    return [res[name] for res in results]
+
+
+@pytest.mark.parametrize("name", ["within_eager", "across_eager", "within_compiled"])
+def test_equals_one_process_on_the_whole_batch(results, name):
+    for r in _get(results, name):
+        assert r["rel_diff"] < 1e-6, r
+        assert r["bitwise_equal_every_step"], r
+        assert r["steps"] == 4
+
+
+def test_no_collective_before_the_last_microbatch(results):
+    for r in _get(results, "counts"):
+        # Calls 1, 2 of each 3-microbatch window issue nothing; call 3 issues the
+        # counts all-reduce plus one per bucket.
+        assert r["one_bucket"] == [0, 0, 2, 0, 0, 2]
+        k = r["n_params"] + 1
+        assert r["bucket_per_param"] == [0, 0, k, 0, 0, k]
+
+
+def test_an_overflow_on_one_rank_skips_on_every_rank(results):
+    for r in _get(results, "fp16"):
+        assert r["skipped"] and r["unchanged"]
+        assert r["scales"] == [2.0**15, 2.0**15]
+
+
+def test_replicate_broadcasts_params_and_gives_each_rank_its_rng(results):
+    for r in _get(results, "rng"):
+        assert r["params_equal"] and r["rng_differs"]
+
+
+def test_compiled_data_parallel_does_not_recompile(results):
+    for r in _get(results, "compiled"):
+        assert r["recompiles"] == 0 and r["graph_breaks"] == 0 and r["equal"], r
+
+
+def test_ranks_that_disagree_on_microbatches_get_an_error(results):
+    for r in _get(results, "disagree"):
+        assert r["error"] and "disagree on the accumulation window" in r["error"], r
+        assert r["seconds"] < 20
+
+
+def test_a_missing_rank_is_an_error_within_the_timeout_not_a_hang(results):
+    r0 = _get(results, "timeout")[0]
+    assert r0["error"] and "did not join" in r0["error"], r0
+    assert r0["seconds"] < 15
+
+
+def test_torchrun_smoke():
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(HERE / "dist_worker.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = re.findall(r"rank (\d)/2 on cpu: step 3 loss ([\d.]+) equal=True", out.stdout)
+    assert sorted(r for r, _ in lines) == ["0", "1"], out.stdout
+    assert lines[0][1] == lines[1][1]  # the same global loss on both ranks
+
+
+def test_wrap_time_rules():
+    s = fasttorch.step(lambda apply, b: apply(b).sum())
+    with pytest.raises(ValueError, match="sync_on_last is already applied"):
+        sync_on_last(sync_on_last(s))
+    with pytest.raises(ValueError, match=r"compiled must be the outermost.*compiled\(sync_on_last"):
+        sync_on_last(fasttorch.compiled(s))
+    with pytest.raises(TypeError, match="sync_on_last wraps the phases"):
+        sync_on_last(lambda state, batch: (state, {}))
+    with pytest.raises(ValueError, match="bucket_mb must be a number > 0"):
+        sync_on_last(s, bucket_mb=0)
+    assert backend_for("cpu") == "gloo" and backend_for("cuda:1") == "nccl"
+
+
+def test_without_a_process_group_the_error_says_how_to_start_one():
+    state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.sgd(0.1))
+    with pytest.raises(RuntimeError, match="torchrun"):
+        sync_on_last(fasttorch.step(mse))(state, (torch.randn(4, 8), torch.randn(4, 4)))
