@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 import fasttorch
 from fasttorch import schedules
+from fasttorch.distributed import replicate, setup, sync_on_last
 
 Batch = tuple[Tensor, Tensor]
 
@@ -111,7 +112,15 @@ class Batches:
     and the data order are independent) and the windows are gathered on the device.
     """
 
-    def __init__(self, tokens: Tensor, block_size: int, batch_size: int, seed: int) -> None:
+    def __init__(
+        self,
+        tokens: Tensor,
+        block_size: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world: int = 1,
+    ) -> None:
         if tokens.numel() <= block_size + 1:
             raise ValueError(
                 f"{tokens.numel()} tokens are too few for --block-size {block_size}; "
@@ -122,9 +131,13 @@ class Batches:
         self.gen = torch.Generator().manual_seed(seed)
         self.window = torch.arange(block_size + 1, device=tokens.device)
         self.high = tokens.numel() - block_size - 1
+        self.rank, self.world = rank, world
 
     def __call__(self) -> Batch:
+        # Every rank draws the same global batch and keeps its own rows of it, so a
+        # data-parallel run sees exactly the batches of a single-process run.
         starts = torch.randint(self.high, (self.batch_size, 1), generator=self.gen)
+        starts = starts.tensor_split(self.world)[self.rank]
         rows = self.tokens[starts.to(self.tokens.device, non_blocking=True) + self.window]
         return rows[:, :-1], rows[:, 1:]
 
@@ -220,13 +233,15 @@ def loss_fn(apply: Callable[..., Tensor], batch: Batch) -> Tensor:
 
 
 def build_step(
-    precision: str, accum: int, clip: float, compile: bool
+    precision: str, accum: int, clip: float, compile: bool, world: int = 1
 ) -> Callable[[fasttorch.TrainState, Batch], tuple[fasttorch.TrainState, dict[str, Any]]]:
-    """The composed training step: amp, then accumulation, clipping, compilation."""
+    """The composed training step: amp, accumulation, data parallel, clipping, compile."""
     step = fasttorch.step(loss_fn)
     if precision != "fp32":
         step = fasttorch.with_amp(step, cast(Literal["bf16", "fp16", "auto"], precision))
     step = fasttorch.grad_accumulate(step, accum)
+    if world > 1:  # under torchrun: average the gradients of each window across ranks
+        step = sync_on_last(step)
     step = fasttorch.clip_scaled(step, clip)
     if compile:
         step = fasttorch.compiled(step)
@@ -310,7 +325,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Train, print progress, and return the summary numbers."""
     t_start = time.perf_counter()
     args = parse_args(argv)
-    device = torch.device(args.device)
+    # Under torchrun this joins the process group (gloo on CPU, NCCL on GPU); alone, a no-op.
+    rank, world, device = setup(args.device)
+    if args.batch_size % world:
+        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by {world} ranks")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -323,7 +341,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     tokens = vocab.encode(raw).to(device)
     n_val = max(int(len(tokens) * args.val_fraction), args.block_size + 2)
     train_tokens, val_tokens = tokens[:-n_val], tokens[-n_val:]
-    train_batches = Batches(train_tokens, args.block_size, args.batch_size, args.seed)
+    train_batches = Batches(train_tokens, args.block_size, args.batch_size, args.seed, rank, world)
     val_batches = Batches(val_tokens, args.block_size, args.batch_size, args.seed + 1)
 
     model = CharGPT(
@@ -345,29 +363,32 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     optimizer = fasttorch.optim.adamw(schedule, weight_decay=args.weight_decay)
     state = fasttorch.TrainState.create(model, optimizer, seed=args.seed)
-    step = build_step(args.precision, args.accum, args.clip, not args.no_compile)
+    if world > 1:
+        state = replicate(state)  # rank 0's weights everywhere, a dropout stream per rank
+    step = build_step(args.precision, args.accum, args.clip, not args.no_compile, world)
+    say = print if rank == 0 else _quiet
 
-    print(
+    say(
         f"device {device} | torch {torch.__version__} | fasttorch {fasttorch.__version__} | "
-        f"threads {torch.get_num_threads()}"
+        f"threads {torch.get_num_threads()} | ranks {world}"
     )
-    print(
+    say(
         f"data: {len(raw) / 1e6:.2f} MB from {n_files} stdlib files | vocab {len(vocab)} | "
         f"train {len(train_tokens):,} / held-out {len(val_tokens):,} tokens"
     )
-    print(
+    say(
         f"model: {n_params / 1e6:.3f}M params | {args.n_layer} layers, {args.n_embd} wide, "
         f"{args.n_head} heads, block {args.block_size}, "
         f"{'untied' if args.untied_head else 'tied'} head"
     )
-    print(
+    say(
         f"step: precision {args.precision}, batch {args.batch_size} = {args.accum} x "
         f"{args.batch_size // args.accum}, clip {args.clip}, "
         f"{'eager' if args.no_compile else 'compiled (inductor)'} | {args.steps} steps, "
         f"lr {args.lr:g} (warm-up {warmup}, cosine to {args.min_lr:g})"
     )
     val_initial = evaluate(state, val_batches, args.eval_batches)
-    print(f"held-out loss before training {val_initial:.4f} (uniform: {math.log(len(vocab)):.4f})")
+    say(f"held-out loss before training {val_initial:.4f} (uniform: {math.log(len(vocab)):.4f})")
 
     t_train = time.perf_counter()
     compile_s = 0.0
@@ -400,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             else:
                 speed = f"{n_window / (now - t_log):.2f} steps/s"
             extra = f" | scale {float(metrics['loss_scale']):g}" if "loss_scale" in metrics else ""
-            print(
+            say(
                 f"step {it + 1:5d} | loss {loss:.4f} (mean {mean_loss:.4f}) | "
                 f"lr {float(metrics['lr']):.2e} | grad norm {float(metrics['grad_norm']):.3f} | "
                 f"{speed}{extra}"
@@ -415,16 +436,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     val_final = evaluate(state, val_batches, args.eval_batches)
     wall_s = time.perf_counter() - t_start
-    print(
+    say(
         f"train loss {initial_loss:.4f} -> {loss:.4f} | held-out loss {val_initial:.4f} -> "
         f"{val_final:.4f} | skipped steps {skipped}"
     )
-    print(
+    say(
         f"wall {wall_s:.1f} s | first step {compile_s:.1f} s | "
         f"{steps_per_s:.2f} steps/s after it ({steady_steps} steps in {train_after_first:.1f} s)"
     )
+    if world > 1:
+        torch.distributed.destroy_process_group()
     return {
         "device": str(device),
+        "world": world,
         "torch": torch.__version__,
         "params": n_params,
         "data_bytes": len(raw),
@@ -439,6 +463,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "steps_per_s": steps_per_s,
         "wall_s": wall_s,
     }
+
+
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    """Ranks other than 0 print nothing."""
 
 
 if __name__ == "__main__":

@@ -68,7 +68,8 @@ class GradOut(struct.Record):
 
     Attributes:
         grads: gradients by parameter name; they equal the true gradients times
-            ``scale`` when ``scale`` is set.
+            ``scale`` when ``scale`` is set. The update phase takes them over and may
+            overwrite them in place (they are fresh tensors, never the state's own).
         value: the mean loss.
         weight: the samples or tokens the mean is over.
         aux: the loss function's auxiliary outputs, or ``None``.
@@ -297,6 +298,10 @@ class Reduction(Protocol):
 _REDUCTION: contextvars.ContextVar[Reduction | None] = contextvars.ContextVar(
     "fasttorch_reduction", default=None
 )
+# Set by the driver around an eager call that donates its state.
+_IN_PLACE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fasttorch_in_place", default=False
+)
 
 
 @contextlib.contextmanager
@@ -316,11 +321,17 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         inv = reciprocal(g.scale)
         if norm is None:
             norm = global_norm(grads) * inv
-        grads = dict(zip(grads, torch._foreach_mul(list(grads.values()), inv)))
+        torch._foreach_mul_(list(grads.values()), inv)  # the update phase owns g.grads
     elif norm is None:
         norm = global_norm(grads)
     opt = state.optimizer
-    params, opt_state = opt.update(state.params, grads, state.opt_state, state.step)
+    lr = opt.learning_rate(state.opt_state, state.step)
+    # Eager and donating: update the state's tensors in place (fresh tensors cost more
+    # than the arithmetic on CPU). Not when a skip must keep the old values around.
+    inplace = g.skip is None and not torch.compiler.is_compiling() and _IN_PLACE.get()
+    params, opt_state = opt.update(
+        state.params, grads, state.opt_state, state.step, inplace=inplace
+    )
     if g.skip is not None:
         keep = g.skip
         params, opt_state = pytree.tree_map(
@@ -332,7 +343,7 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         "loss": g.value,
         "grad_norm": norm,
         # A copy: a constant lr is a state tensor, overwritten in place under donation.
-        "lr": opt.learning_rate(state.opt_state, state.step).clone(),
+        "lr": lr.clone(),
     }
     if g.aux is not None:
         metrics["aux"] = g.aux
@@ -435,7 +446,7 @@ def check_wrap(step: Any, transform: str) -> None:
         kind = getattr(step, "__name__", type(step).__name__)
         raise TypeError(
             f"{transform} wraps the phases of a step built by fasttorch.step(loss_fn); "
-            f"got {kind!r}. Only compiled accepts any (state, batch) callable"
+            f"got {kind!r}. Only compiled and profiled accept any (state, batch) callable"
         )
     chain = " -> ".join(step.transforms) or "none"
     if transform in _ONCE and transform in step.transforms:
@@ -504,18 +515,7 @@ class _Kernels:
     ) -> tuple[AccumState, GradOut]:
         s = self.step
         g = s.grad(s.loss, state, batch, 1.0 / n)
-        # grads of (mean * mult / n) times (weight * n) = grads of (sum * mult): the
-        # window's gradient is their total over its total weight. With equal
-        # microbatches whose size and count are powers of two, every multiply and
-        # divide here is exact and the result is bit-identical to loss / n.
-        w = g.weight
-        grads = torch._foreach_add(
-            list(acc.grads.values()), torch._foreach_mul(list(g.grads.values()), w * n)
-        )
-        new = AccumState(
-            grads=dict(zip(acc.grads, grads)), weight=acc.weight + w, value=acc.value + g.value * w
-        )
-        return commit(donate_acc, acc, new), g
+        return commit(donate_acc, acc, accumulate(acc, g, n, donate_acc)), g
 
     def _apply(self, state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         new, metrics = self.step.update(state, g)
@@ -525,9 +525,18 @@ class _Kernels:
         self, state: TrainState, acc: AccumState, batch: Batch, n: int, reset: bool
     ) -> tuple[TrainState, Metrics, AccumState | None, torch.Tensor]:
         s = self.step
-        acc2, g = self._micro(state, acc, batch, n, False)
+        # Within one call the window is a temporary; across calls it is the state's, and
+        # ours to overwrite only when donated (it is zeroed for the next window below).
+        owned = not reset or s.donate
+        g = s.grad(s.loss, state, batch, 1.0 / n)
+        acc2 = accumulate(acc, g, n, owned)
         total = acc2.weight
-        grads = dict(zip(acc2.grads, torch._foreach_div(list(acc2.grads.values()), total)))
+        sums = list(acc2.grads.values())
+        if owned:
+            torch._foreach_div_(sums, total)
+        else:
+            sums = list(torch._foreach_div(sums, total))
+        grads = dict(zip(acc2.grads, sums))
         window = GradOut(
             grads=grads, value=acc2.value / total, weight=total, aux=g.aux, scale=g.scale
         )
@@ -536,6 +545,27 @@ class _Kernels:
         if reset:
             fresh = commit(s.donate, acc, empty_window(acc.grads, total.device))
         return commit(s.donate, state, new), metrics, fresh, g.weight
+
+
+def accumulate(acc: AccumState, g: GradOut, n: int, in_place: bool) -> AccumState:
+    """The window ``acc`` with microbatch ``g`` added (its gradient sums in place if asked).
+
+    ``g`` holds the gradients of (mean * mult / n); times (weight * n) they are those of
+    (sum * mult), and the window's gradient is their total over its total weight. With
+    equal microbatches whose size and count are powers of two, every multiply and divide
+    is exact and the result is bit-identical to the loop that backpropagates loss / n.
+    """
+    w = g.weight
+    fresh = list(g.grads.values())  # autograd's fresh tensors: scaled in place
+    torch._foreach_mul_(fresh, w * n)
+    sums = list(acc.grads.values())
+    if in_place:  # the window is a temporary, or donated: no allocation per microbatch
+        torch._foreach_add_(sums, fresh)
+    else:
+        sums = list(torch._foreach_add(sums, fresh))
+    return AccumState(
+        grads=dict(zip(acc.grads, sums)), weight=acc.weight + w, value=acc.value + g.value * w
+    )
 
 
 def _synced_last(
@@ -605,39 +635,45 @@ def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metri
     k = step.kernels
     acc_cfg = step.accumulation
     last = k.last if step.sync is None else functools.partial(_synced_last, k)
-    with scoped_rng(state.rng, device) as rng_now:
-        if acc_cfg is None and step.sync is None:
-            new, metrics = k.full(state, batch)
-        elif acc_cfg is None:
-            new, metrics, _, _ = last(state, None, batch, 1, False)
-        elif not acc_cfg.across_calls:
-            micro = split(batch, acc_cfg.n, step.name)
-            acc = empty_window(state.params, device)
-            aux_sum: Any = None
-            for mb in micro[:-1]:
-                acc, g = k.micro(state, acc, mb, acc_cfg.n, True)
-                aux_sum = _add_weighted(aux_sum, g.aux, g.weight)
-            new, metrics, _, w_last = last(state, acc, micro[-1], acc_cfg.n, False)
-            if aux_sum is not None and "aux" in metrics:
-                total = _add_weighted(aux_sum, metrics["aux"], w_last)
-                weight = acc.weight + w_last
-                metrics["aux"] = pytree.tree_map(lambda t: t / weight if _is_float(t) else t, total)
-        else:
-            window: AccumState = state.substates["grad_accumulate"]
-            rest = {k_: v for k_, v in state.substates.items() if k_ != "grad_accumulate"}
-            inner = state.replace(substates=rest)
-            if window.micro + 1 < acc_cfg.n:
-                acc, g = k.micro(inner, window, batch, acc_cfg.n, step.donate)
-                new = inner.replace(
-                    substates={**rest, "grad_accumulate": acc.replace(micro=window.micro + 1)}
-                )
-                metrics = {"loss": g.value}
-                if g.aux is not None:
-                    metrics["aux"] = g.aux
+    in_place = _IN_PLACE.set(step.donate)
+    try:
+        with scoped_rng(state.rng, device) as rng_now:
+            if acc_cfg is None and step.sync is None:
+                new, metrics = k.full(state, batch)
+            elif acc_cfg is None:
+                new, metrics, _, _ = last(state, None, batch, 1, False)
+            elif not acc_cfg.across_calls:
+                micro = split(batch, acc_cfg.n, step.name)
+                acc = empty_window(state.params, device)
+                aux_sum: Any = None
+                for mb in micro[:-1]:
+                    acc, g = k.micro(state, acc, mb, acc_cfg.n, True)
+                    aux_sum = _add_weighted(aux_sum, g.aux, g.weight)
+                new, metrics, _, w_last = last(state, acc, micro[-1], acc_cfg.n, False)
+                if aux_sum is not None and "aux" in metrics:
+                    total = _add_weighted(aux_sum, metrics["aux"], w_last)
+                    weight = acc.weight + w_last
+                    metrics["aux"] = pytree.tree_map(
+                        lambda t: t / weight if _is_float(t) else t, total
+                    )
             else:
-                new, metrics, fresh, _ = last(inner, window, batch, acc_cfg.n, True)
-                new = new.replace(substates={**new.substates, "grad_accumulate": fresh})
-        rng = rng_now()
+                window: AccumState = state.substates["grad_accumulate"]
+                rest = {k_: v for k_, v in state.substates.items() if k_ != "grad_accumulate"}
+                inner = state.replace(substates=rest)
+                if window.micro + 1 < acc_cfg.n:
+                    acc, g = k.micro(inner, window, batch, acc_cfg.n, step.donate)
+                    new = inner.replace(
+                        substates={**rest, "grad_accumulate": acc.replace(micro=window.micro + 1)}
+                    )
+                    metrics = {"loss": g.value}
+                    if g.aux is not None:
+                        metrics["aux"] = g.aux
+                else:
+                    new, metrics, fresh, _ = last(inner, window, batch, acc_cfg.n, True)
+                    new = new.replace(substates={**new.substates, "grad_accumulate": fresh})
+            rng = rng_now()
+    finally:
+        _IN_PLACE.reset(in_place)
     new = new.replace(rng=rng)
     if step.donate:
         mark_donated(given, f"step {step.name!r}")

@@ -40,7 +40,8 @@ def test_folded_clip_is_bit_identical_to_unscale_then_clip_grad_norm(scale, max_
         weight=torch.tensor(1.0),
         scale=None if scale == 1.0 else torch.tensor(scale),
     )
-    update(None, g)
+    # The update phase owns the gradients it is given (it may scale them in place).
+    update(None, g.replace(grads={k: v.clone() for k, v in scaled.items()}))
     out = seen["g"]
     # The reference: unscale_ (multiply by the float32 reciprocal), then clip_grad_norm_.
     params = [torch.nn.Parameter(torch.empty(5, 3)) for _ in true]

@@ -137,3 +137,50 @@ def test_without_a_process_group_the_error_says_how_to_start_one():
     state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.sgd(0.1))
     with pytest.raises(RuntimeError, match="torchrun"):
         sync_on_last(fasttorch.step(mse))(state, (torch.randn(4, 8), torch.randn(4, 4)))
+
+
+def test_the_example_on_two_ranks_matches_one_process():
+    """The main job's data-parallel mode sees the single-process batches and updates."""
+    args = [
+        "--steps",
+        "6",
+        "--no-compile",
+        "--dropout",
+        "0",
+        "--precision",
+        "fp32",
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "32",
+        "--batch-size",
+        "8",
+        "--block-size",
+        "16",
+        "--max-bytes",
+        "200000",
+        "--log-every",
+        "1",
+        "--eval-batches",
+        "1",
+        "--threads",
+        "1",
+    ]
+    example = str(HERE.parent / "examples" / "train_charlm.py")
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
+    runs = []
+    for launcher in (
+        [sys.executable],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"],
+    ):
+        out = subprocess.run(
+            [*launcher, example, *args], capture_output=True, text=True, timeout=300, env=env
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(
+            [float(x) for x in re.findall(r"^step +\d+ \| loss ([\d.]+)", out.stdout, re.M)]
+        )
+    single, parallel = runs
+    assert len(single) == len(parallel) == 6
+    assert max(abs(a - b) for a, b in zip(single, parallel)) < 1e-5, runs
+    assert parallel[-1] < parallel[0]

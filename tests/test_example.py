@@ -32,6 +32,7 @@ TINY = [
 
 SUMMARY_KEYS = {
     "device",
+    "world",
     "torch",
     "params",
     "data_bytes",

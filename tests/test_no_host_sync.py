@@ -67,6 +67,25 @@ def test_composed_steps_run_without_host_sync(mode):
         assert isinstance(m["loss"], torch.Tensor) and int(state.step) >= 2, name
 
 
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_the_profiler_sees_no_scalar_reads(mode):
+    """Syncs made in C++ (a 0-d tensor read as a Scalar) escape the Python patch above;
+    the profiler's count of aten::_local_scalar_dense catches them."""
+    sched = fasttorch.schedules.warmup(2, fasttorch.schedules.cosine(1e-2, 10))
+    for name, step in _steps(mode).items():
+        for opt in (fasttorch.optim.adamw(sched), fasttorch.optim.sgd(0.1, momentum=0.9)):
+            torch.manual_seed(0)
+            state = fasttorch.TrainState.create(BatchNormNet(), opt)
+            data = batches(4, 8)
+            state, _ = step(state, data[0])
+            state, _ = step(state, data[1])
+            with torch.profiler.profile() as prof:
+                for b in data[2:]:
+                    state, _ = step(state, b)
+            reads = [e.name for e in prof.events() if e.name == "aten::_local_scalar_dense"]
+            assert not reads, (name, type(opt).__name__, len(reads))
+
+
 @pytest.mark.gpu
 def test_no_sync_under_cuda_sync_debug_mode():
     torch.manual_seed(0)

@@ -72,8 +72,14 @@ class Optimizer(Protocol):
         grads: Mapping[str, Tensor],
         opt_state: OptState,
         step: Tensor,
+        *,
+        inplace: bool = False,
     ) -> tuple[dict[str, Tensor], OptState]:
-        """New parameters and state after one step; the inputs are left untouched."""
+        """New parameters and state after one step.
+
+        The inputs are left untouched unless ``inplace=True``, which overwrites the
+        parameter, slot and gradient tensors and returns them (same results).
+        """
         ...
 
 

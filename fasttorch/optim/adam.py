@@ -11,7 +11,6 @@ from torch import Tensor
 from fasttorch.optim._base import (
     LearningRate,
     OptState,
-    TensorList,
     check_hyper,
     check_lr,
     make_hyper,
@@ -21,7 +20,6 @@ from fasttorch.optim._base import (
 
 __all__ = ["Adam", "adam", "adamw"]
 
-_foreach_add = torch._foreach_add
 _foreach_mul = torch._foreach_mul
 
 
@@ -85,8 +83,16 @@ class Adam:
         grads: Mapping[str, Tensor],
         opt_state: OptState,
         step: Tensor,
+        *,
+        inplace: bool = False,
     ) -> tuple[dict[str, Tensor], OptState]:
-        """One Adam(W) step, out of place: new params (same keys, order) and state."""
+        """One Adam(W) step: new params (same keys, order) and state.
+
+        Out of place by default. ``inplace=True`` overwrites the parameter, moment and
+        gradient tensors instead and returns them (for a donated state in eager mode,
+        where fresh allocations cost more than the arithmetic); both run the same
+        kernels in the same order, so they give the same bits.
+        """
         names = list(params)
         count = opt_state.count + 1
         if not names:
@@ -95,31 +101,39 @@ class Adam:
         beta1, beta2, eps, wd = h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
         with torch.no_grad():
             lr = self.learning_rate(opt_state, step)
-            p: TensorList = [params[n] for n in names]
-            g: TensorList = [grads[n] for n in names]
+            p = [params[n] for n in names]
+            g = [grads[n] for n in names]
+            m = [opt_state.slots["exp_avg"][n] for n in names]
+            v = [opt_state.slots["exp_avg_sq"][n] for n in names]
+            if not inplace:
+                p, g, m, v = ([t.clone() for t in ts] for ts in (p, g, m, v))
             if self.decoupled_weight_decay:
-                p = _foreach_mul(p, 1 - lr * wd)
+                torch._foreach_mul_(p, 1 - lr * wd)
             else:
-                g = _foreach_add(g, _foreach_mul(p, wd))
-            m: TensorList = [opt_state.slots["exp_avg"][n] for n in names]
-            v: TensorList = [opt_state.slots["exp_avg_sq"][n] for n in names]
+                torch._foreach_add_(g, _foreach_mul(p, wd))
             # torch's exp_avg.lerp_(grad, 1 - beta1), with the weight as a tensor per
             # parameter dtype (a 0-d tensor scalar would be read back to the host).
             weight = 1 - beta1
             weights = {t.dtype: weight.to(t.dtype) for t in m}
-            m = torch._foreach_lerp(m, g, [weights[t.dtype] for t in m])
-            v = _foreach_add(_foreach_mul(v, beta2), _foreach_mul(_foreach_mul(g, g), 1 - beta2))
+            torch._foreach_lerp_(m, g, [weights[t.dtype] for t in m])
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_mul_(g, g)
+            torch._foreach_mul_(g, 1 - beta2)
+            torch._foreach_add_(v, g)
             # Scalars in float64, as torch's Python-float math; the tensors they scale
             # cast them to their own dtype.
             t = count.to(torch.float64)
             step_size = lr / (1 - beta1**t)
             bias_correction2_sqrt = (1 - beta2**t).sqrt()
-            denom = _foreach_add(
-                torch._foreach_div(torch._foreach_sqrt(v), bias_correction2_sqrt), eps
-            )
-            new_p = torch._foreach_sub(p, _foreach_mul(torch._foreach_div(m, denom), step_size))
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, bias_correction2_sqrt)
+            # A list: with a bare 0-d tensor, _foreach_add_ reads it with .item() in C++.
+            torch._foreach_add_(denom, [eps] * len(denom))
+            update = torch._foreach_div(m, denom)
+            torch._foreach_mul_(update, step_size)
+            torch._foreach_sub_(p, update)
         slots = {"exp_avg": dict(zip(names, m)), "exp_avg_sq": dict(zip(names, v))}
-        return dict(zip(names, new_p)), opt_state.replace(count=count, slots=slots)
+        return dict(zip(names, p)), opt_state.replace(count=count, slots=slots)
 
 
 def adam(

@@ -11,7 +11,6 @@ from torch import Tensor
 from fasttorch.optim._base import (
     LearningRate,
     OptState,
-    TensorList,
     check_hyper,
     check_lr,
     make_hyper,
@@ -21,7 +20,6 @@ from fasttorch.optim._base import (
 
 __all__ = ["SGD", "sgd"]
 
-_foreach_add = torch._foreach_add
 _foreach_mul = torch._foreach_mul
 
 
@@ -80,8 +78,14 @@ class SGD:
         grads: Mapping[str, Tensor],
         opt_state: OptState,
         step: Tensor,
+        *,
+        inplace: bool = False,
     ) -> tuple[dict[str, Tensor], OptState]:
-        """One SGD step, out of place: new params (same keys, order) and state."""
+        """One SGD step: new params (same keys, order) and state.
+
+        Out of place by default; ``inplace=True`` overwrites the parameter, buffer and
+        gradient tensors and returns them, running the same kernels (same bits).
+        """
         names = list(params)
         count = opt_state.count + 1
         if not names:
@@ -89,10 +93,11 @@ class SGD:
         hyper = opt_state.hyper
         with torch.no_grad():
             lr = self.learning_rate(opt_state, step)
-            p: TensorList = [params[n] for n in names]
-            g: TensorList = _foreach_add(
-                [grads[n] for n in names], _foreach_mul(p, hyper["weight_decay"])
-            )
+            p = [params[n] for n in names]
+            g = [grads[n] for n in names]
+            if not inplace:
+                p, g = [t.clone() for t in p], [t.clone() for t in g]
+            torch._foreach_add_(g, _foreach_mul(p, hyper["weight_decay"]))
             slots = opt_state.slots
             if self._has_momentum:
                 momentum = hyper["momentum"]
@@ -101,12 +106,18 @@ class SGD:
                 # gives exactly that.
                 first = opt_state.count == 0
                 coef = torch.where(first, torch.ones_like(momentum), 1 - hyper["dampening"])
-                bufs: TensorList = [opt_state.slots["momentum_buffer"][n] for n in names]
-                bufs = _foreach_add(_foreach_mul(bufs, momentum), _foreach_mul(g, coef))
-                g = _foreach_add(g, _foreach_mul(bufs, momentum)) if self.nesterov else bufs
+                bufs = [opt_state.slots["momentum_buffer"][n] for n in names]
+                if not inplace:
+                    bufs = [t.clone() for t in bufs]
+                torch._foreach_mul_(bufs, momentum)
+                torch._foreach_add_(bufs, _foreach_mul(g, coef))
+                if self.nesterov:
+                    torch._foreach_add_(g, _foreach_mul(bufs, momentum))
+                else:
+                    g = bufs
                 slots = {"momentum_buffer": dict(zip(names, bufs))}
-            new_p = torch._foreach_sub(p, _foreach_mul(g, lr))
-        return dict(zip(names, new_p)), opt_state.replace(count=count, slots=slots)
+            torch._foreach_sub_(p, _foreach_mul(g, lr))
+        return dict(zip(names, p)), opt_state.replace(count=count, slots=slots)
 
 
 def sgd(

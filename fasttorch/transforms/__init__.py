@@ -2,7 +2,23 @@
 
 from fasttorch.transforms.clip_scaled import clip_scaled
 from fasttorch.transforms.compiled import compiled
+from fasttorch.transforms.ema import EmaState, ema
 from fasttorch.transforms.grad_accumulate import grad_accumulate
+from fasttorch.transforms.nonfinite import NonFiniteError, NonFiniteState, skip_nonfinite
+from fasttorch.transforms.profiled import Profiled, profiled
 from fasttorch.transforms.with_amp import LossScaleState, with_amp
 
-__all__ = ["LossScaleState", "clip_scaled", "compiled", "grad_accumulate", "with_amp"]
+__all__ = [
+    "EmaState",
+    "LossScaleState",
+    "NonFiniteError",
+    "NonFiniteState",
+    "Profiled",
+    "clip_scaled",
+    "compiled",
+    "ema",
+    "grad_accumulate",
+    "profiled",
+    "skip_nonfinite",
+    "with_amp",
+]

@@ -67,7 +67,7 @@ def clip_scaled(step: Step, max_norm: float) -> Step:
                 norm = norm * inv
         coef = torch.clamp(limit / (norm + 1e-6), max=1.0)
         factor = coef if inv is None else coef * inv
-        grads = dict(zip(g.grads, torch._foreach_mul(list(g.grads.values()), factor)))
-        return inner(state, g.replace(grads=grads, scale=None, norm=norm))
+        torch._foreach_mul_(list(g.grads.values()), factor)  # the update phase owns g.grads
+        return inner(state, g.replace(scale=None, norm=norm))
 
     return step.with_phases("clip_scaled", update=update)

@@ -1,0 +1,246 @@
+"""The benchmark models and their synthetic data.
+
+Every variant builds its model with :func:`build` (seeded, so the initial weights are
+the same everywhere) and trains on the windows of :func:`windows` (seeded, so the data
+are the same everywhere). A window is the whole batch of one optimizer step: the
+fasttorch variants get it as one call and split it with ``grad_accumulate``; the
+hand-written variants split it with ``tensor_split`` in their own loop.
+
+* M1: a small, deep MLP (many small tensors): launch-overhead bound.
+* M2: a small ConvNet with BatchNorm (running statistics as buffers).
+* M3: a GPT (CPU: 2 layers, width 128, context 64; GPU: GPT-2 124M, context 1024).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ACCUM", "MODELS", "Spec", "build", "flops_per_window", "loss_fn", "spec", "windows"]
+
+ACCUM = 4  # microbatches per optimizer step, in every variant
+POOL = 8  # distinct synthetic windows, cycled
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Sizes of one model on one kind of device."""
+
+    name: str
+    title: str
+    make: Callable[[], nn.Module]
+    micro: int  # samples per microbatch; a window holds ACCUM of them
+    sample: Callable[[torch.Generator, int], tuple[torch.Tensor, torch.Tensor]]
+    tokens_per_sample: int = 1
+    gpt_shape: tuple[int, int, int] | None = None  # (layers, width, context), for FLOPs
+
+
+class MLP(nn.Module):
+    """``depth`` residual blocks ``x + W2 gelu(W1 LayerNorm(x))``: many small tensors."""
+
+    def __init__(self, d_in: int = 64, width: int = 64, depth: int = 12, d_out: int = 10):
+        super().__init__()
+        self.inp = nn.Linear(d_in, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.LayerNorm(width), nn.Linear(width, width), nn.GELU(), nn.Linear(width, width)
+            )
+            for _ in range(depth)
+        )
+        self.out = nn.Linear(width, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h)
+
+
+class ConvNet(nn.Module):
+    """Three conv-BatchNorm-ReLU stages, global average pooling, a linear head."""
+
+    def __init__(self, channels: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        c = channels
+
+        def stage(cin: int, cout: int, stride: int) -> nn.Sequential:
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False),
+                nn.BatchNorm2d(cout),
+                nn.ReLU(),
+            )
+
+        self.features = nn.Sequential(stage(3, c, 1), stage(c, 2 * c, 2), stage(2 * c, 2 * c, 1))
+        self.head = nn.Linear(2 * c, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: causal SDPA attention and a 4x GELU MLP."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.fc_out = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """nanoGPT's GPT: token + position embeddings, blocks, final LayerNorm, tied head."""
+
+    def __init__(self, vocab: int, context: int, layers: int, width: int, heads: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, width)
+        self.wpe = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.wte.weight  # weight tying, as GPT-2
+        for name, p in self.named_parameters():
+            if name.endswith("weight") and p.ndim == 2:
+                std = (
+                    0.02 / math.sqrt(2 * layers)
+                    if name.endswith(("proj.weight", "fc_out.weight"))
+                    else 0.02
+                )
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def _vectors(d_in: int, classes: int) -> Callable[[torch.Generator, int], Any]:
+    def sample(g: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, d_in, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+    return sample
+
+
+def _images(size: int, classes: int) -> Callable[[torch.Generator, int], Any]:
+    def sample(g: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(n, 3, size, size, generator=g)
+        return x, torch.randint(0, classes, (n,), generator=g)
+
+    return sample
+
+
+def _tokens(vocab: int, context: int) -> Callable[[torch.Generator, int], Any]:
+    def sample(g: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        seq = torch.randint(0, vocab, (n, context + 1), generator=g)
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+    return sample
+
+
+def _specs(device_type: str) -> dict[str, Spec]:
+    gpu = device_type == "cuda"
+    if gpu:
+        gpt = Spec(
+            "M3",
+            "GPT-2 124M (12 layers, width 768, context 1024, vocab 50304)",
+            lambda: GPT(vocab=50304, context=1024, layers=12, width=768, heads=12),
+            micro=8,
+            sample=_tokens(50304, 1024),
+            tokens_per_sample=1024,
+            gpt_shape=(12, 768, 1024),
+        )
+    else:
+        gpt = Spec(
+            "M3",
+            "GPT (2 layers, width 128, 4 heads, context 64, vocab 256)",
+            lambda: GPT(vocab=256, context=64, layers=2, width=128, heads=4),
+            micro=4,
+            sample=_tokens(256, 64),
+            tokens_per_sample=64,
+            gpt_shape=(2, 128, 64),
+        )
+    return {
+        "M1": Spec(
+            "M1",
+            "MLP (12 residual blocks, width 64)",
+            lambda: MLP(64, 64, 12, 10),
+            micro=32 if gpu else 16,
+            sample=_vectors(64, 10),
+        ),
+        "M2": Spec(
+            "M2",
+            "ConvNet with BatchNorm (3 conv stages, 16/32/32 channels, 16x16 inputs)",
+            lambda: ConvNet(16, 10),
+            micro=32 if gpu else 8,
+            sample=_images(16, 10),
+        ),
+        "M3": gpt,
+    }
+
+
+MODELS = ("M1", "M2", "M3")
+
+
+def spec(model: str, device_type: str) -> Spec:
+    """The sizes of ``model`` ("M1", "M2", "M3") for ``device_type`` ("cpu", "cuda")."""
+    return _specs(device_type)[model]
+
+
+def build(model: str, device: torch.device, seed: int = 0) -> nn.Module:
+    """The model with the same initial weights in every variant (seeded)."""
+    torch.manual_seed(seed)
+    return spec(model, device.type).make().to(device)
+
+
+def windows(
+    model: str, device: torch.device, n: int = POOL, seed: int = 1
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` synthetic windows of ``ACCUM`` microbatches each, the same in every variant."""
+    s = spec(model, device.type)
+    g = torch.Generator().manual_seed(seed)
+    return [
+        tuple(t.to(device) for t in s.sample(g, ACCUM * s.micro))  # type: ignore[misc]
+        for _ in range(n)
+    ]
+
+
+def loss_fn(apply: Callable[..., torch.Tensor], batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Mean cross-entropy; the logits are cast to float32 (as under autocast)."""
+    x, y = batch
+    logits = apply(x).float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def flops_per_window(model: str, device_type: str, n_params: int) -> float | None:
+    """Model FLOPs of one optimizer step (forward + backward): 6N per token + attention.
+
+    PaLM's / nanoGPT's count, ``6 N + 12 L d T`` per token; ``None`` for the models
+    that are not a GPT (MFU is reported for M3 only).
+    """
+    s = spec(model, device_type)
+    if s.gpt_shape is None:
+        return None
+    layers, width, context = s.gpt_shape
+    tokens = ACCUM * s.micro * s.tokens_per_sample
+    return (6.0 * n_params + 12.0 * layers * width * context) * tokens

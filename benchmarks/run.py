@@ -1,0 +1,503 @@
+"""The one command: run the benchmark suite and rewrite ``docs/benchmarks.md``.
+
+``python -m benchmarks.run`` (about 15-20 minutes on 2 CPU cores; see ``--help``).
+
+Each variant runs in its own process (``benchmarks.worker``); rounds interleave the
+variants (every round runs each once, in order), at least 3 of them. Compilation and
+the warm-up steps are untimed; a run's time is the median of its blocks; a round whose
+baseline (B0) time per step drifts more than 5% from the baseline's median over
+rounds is discarded, and the document says so. Round 0 compiles into a fresh
+``TORCHINDUCTOR_CACHE_DIR`` per variant (cold); later rounds reuse it (warm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.stats import Summary, drifted_rounds, payback_steps, per_step, schedule, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+ALL_VARIANTS = ("B0", "B1", "B2", "B3", "B4", "B5", "F0", "F1", "F2")
+GPU_ONLY = ("B3", "F2")
+STOCK = ("B1", "B2", "B3")
+MARK = "@@RESULT@@ "
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__)
+    p.add_argument("--models", default="M1,M2,M3", help="comma-separated (M1,M2,M3)")
+    p.add_argument("--variants", default=",".join(ALL_VARIANTS), help="comma-separated")
+    p.add_argument(
+        "--precisions",
+        default=None,
+        help="bf16[,fp16][,fp32]; fp16 needs a GPU; fp32 is a diagnostic (autocast off)",
+    )
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--blocks", type=int, default=5)
+    p.add_argument("--steps", type=int, default=100, help="steps per timed block")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--loss-at", type=int, default=50)
+    p.add_argument("--drift", type=float, default=0.05, help="baseline drift that discards")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    p.add_argument("--omp-wait-policy", default="PASSIVE", help="OMP_WAIT_POLICY for workers")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per worker process")
+    p.add_argument("--out", type=Path, default=DOC, help="the Markdown file to rewrite")
+    p.add_argument("--json", type=Path, default=None, help="also write the raw results here")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="check the machinery in seconds: M1, B0 and F0, tiny blocks (numbers mean nothing)",
+    )
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.models, args.variants = "M1", "B0,F0"
+        args.rounds, args.blocks, args.steps, args.warmup, args.loss_at = 1, 2, 3, 1, 3
+    return args
+
+
+def _cuda_available() -> bool:
+    out = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+        capture_output=True,
+        text=True,
+    )
+    return out.stdout.strip() == "True"
+
+
+def run_worker(
+    args: argparse.Namespace,
+    model: str,
+    variant: str,
+    precision: str,
+    device: str,
+    cache: Path,
+    extra: list[str],
+) -> dict[str, Any]:
+    """One worker process; returns its JSON result (with ``error`` when it failed)."""
+    env = dict(os.environ)
+    env["OMP_WAIT_POLICY"] = args.omp_wait_policy
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.worker",
+        *("--model", model, "--variant", variant, "--precision", precision),
+        *("--device", device, "--blocks", str(args.blocks), "--steps", str(args.steps)),
+        *("--warmup", str(args.warmup), "--loss-at", str(args.loss_at)),
+        *extra,
+    ]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=args.timeout
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout:.0f} s"}
+    wall = time.perf_counter() - t0
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(MARK):
+            res: dict[str, Any] = json.loads(line[len(MARK) :])
+            res["wall_s"] = wall
+            return res
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"error": f"worker exited {proc.returncode}: {' | '.join(tail)[:300]}"}
+
+
+def run_model(
+    args: argparse.Namespace, model: str, variants: list[str], precision: str, device: str
+) -> dict[str, Any]:
+    """All rounds of one model at one precision: raw results by round and variant."""
+    caches = {v: Path(tempfile.mkdtemp(prefix=f"ft-bench-{model}-{v}-")) for v in variants}
+    runs: dict[int, dict[str, dict[str, Any]]] = {}
+    try:
+        for r, v in schedule(variants, args.rounds):
+            extra = []
+            if r == 0:
+                extra.append("--profile")
+                if device == "cuda" and model == "M3" and v == variants[0]:
+                    extra.append("--matmul-peak")
+            res = run_worker(args, model, v, precision, device, caches[v], extra)
+            res["round"], res["cold"] = r, r == 0
+            runs.setdefault(r, {})[v] = res
+            status = res.get("error") or (
+                f"{1e3 * per_step(res['blocks_s'], res['steps_per_block']):.2f} ms/step, "
+                f"first step {res['first_step_s']:.1f} s"
+            )
+            print(f"  {model} {precision} round {r} {v}: {status}", flush=True)
+    finally:
+        for d in caches.values():
+            shutil.rmtree(d, ignore_errors=True)
+    return {"model": model, "precision": precision, "device": device, "runs": runs}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt(x: float | None, spec: str = ".2f", none: str = "–") -> str:
+    return none if x is None else format(x, spec)
+
+
+def analyse(block: dict[str, Any], baseline: str = "B0", tol: float = 0.05) -> dict[str, Any]:
+    """Per-variant figures of one model from its raw runs."""
+    runs: dict[int, dict[str, dict[str, Any]]] = block["runs"]
+    times: dict[str, dict[int, float]] = {}
+    for r, by_v in runs.items():
+        for v, res in by_v.items():
+            if "error" not in res and res.get("blocks_s"):
+                times.setdefault(v, {})[r] = per_step(res["blocks_s"], res["steps_per_block"])
+    errors = {
+        v: res["error"] for by_v in runs.values() for v, res in by_v.items() if "error" in res
+    }
+    if baseline not in times:
+        return {"errors": errors, "summary": {}, "discarded": {}, "kept": []}
+    discarded = drifted_rounds(times[baseline], tol)
+    kept = sorted(r for r in times[baseline] if r not in discarded)
+    summary = summarize(times, baseline, kept)
+    stock = {v: summary[v] for v in STOCK if v in summary}
+    best_stock = min(stock, key=lambda v: stock[v].seconds_per_step) if stock else None
+    per_variant: dict[str, dict[str, Any]] = {}
+    for v in summary:
+        res_all = [runs[r][v] for r in sorted(runs) if v in runs[r] and "error" not in runs[r][v]]
+        cold = [x["compile_s"] for x in res_all if x["cold"] and "compile_s" in x]
+        warm = [x["compile_s"] for x in res_all if not x["cold"] and "compile_s" in x]
+        prof = next((x for x in res_all if "syncs_per_step" in x), {})
+        s, b = summary[v].seconds_per_step, summary[baseline].seconds_per_step
+        per_variant[v] = {
+            "cold_s": cold[0] if cold else None,
+            "warm_s": statistics.median(warm) if warm else None,
+            "syncs": prof.get("syncs_per_step"),
+            "alloc_mb": prof["step_peak_alloc_bytes"] / 2**20 if prof else None,
+            "rss_mb": statistics.median(
+                x["peak_rss_timed_mb"] - x["rss_base_mb"]
+                for x in res_all
+                if x.get("peak_rss_timed_mb") is not None
+            )
+            if any(x.get("peak_rss_timed_mb") is not None for x in res_all)
+            else None,
+            "cuda_mb": statistics.median(x["peak_cuda_alloc_mb"] for x in res_all)
+            if res_all and "peak_cuda_alloc_mb" in res_all[0]
+            else None,
+            "loss": res_all[0].get("loss") if res_all else None,
+            "n_params": res_all[0].get("n_params") if res_all else None,
+            "payback_cold": payback_steps(cold[0], s, b) if cold else None,
+            "payback_warm": payback_steps(statistics.median(warm), s, b) if warm else None,
+            "tflops": next(
+                (x["bf16_matmul_tflops"] for x in res_all if "bf16_matmul_tflops" in x), None
+            ),
+        }
+    return {
+        "errors": errors,
+        "summary": summary,
+        "discarded": discarded,
+        "kept": kept,
+        "best_stock": best_stock,
+        "figures": per_variant,
+        "baseline_times": times[baseline],
+    }
+
+
+def _table(block: dict[str, Any], a: dict[str, Any], variants: list[str], gpu: bool) -> list[str]:
+    summary: dict[str, Summary] = a["summary"]
+    figs = a.get("figures", {})
+    best = a.get("best_stock")
+    b0_loss = figs.get("B0", {}).get("loss")
+    mem_head = "peak CUDA alloc (MiB)" if gpu else "step alloc peak (MiB)"
+    lines = [
+        f"| variant | ms/step | steps/s | x B0 [min-max] | x best stock ({best or '–'}) "
+        f"| compile cold / warm (s) | pays off after (steps, cold / warm) | {mem_head} "
+        f"| peak RSS (MiB) | host syncs/step | loss@{block.get('loss_at', 50)} (vs B0) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for v in variants:
+        if v not in summary:
+            why = a["errors"].get(v) or "not run"
+            lines.append(f"| {v} | {why} |" + " |" * 10)
+            continue
+        s, f = summary[v], figs[v]
+        vs_best = summary[best].seconds_per_step / s.seconds_per_step if best else None
+        loss = f["loss"]
+        rel = (loss - b0_loss) / abs(b0_loss) if loss is not None and b0_loss else None
+        pay = "–"
+        if v != "B0":
+            pc, pw = f["payback_cold"], f["payback_warm"]
+            never_warm = "never" if f["warm_s"] is not None else "–"
+            pay = f"{_fmt(pc, '.0f', 'never')} / {_fmt(pw, '.0f', never_warm)}"
+        mem = f["cuda_mb"] if gpu else f["alloc_mb"]
+        lines.append(
+            f"| {v} | {1e3 * s.seconds_per_step:.2f} | {1 / s.seconds_per_step:.1f} "
+            f"| {s.ratio_to_baseline:.2f} [{s.ratio_min:.2f}-{s.ratio_max:.2f}] "
+            f"| {_fmt(vs_best)} | {_fmt(f['cold_s'], '.1f')} / {_fmt(f['warm_s'], '.1f')} "
+            f"| {pay} | {_fmt(mem, '.2f')} | {_fmt(f['rss_mb'], '.0f')} "
+            f"| {_fmt(f['syncs'], '.0f')} | {_fmt(loss, '.4f')} ({_fmt(rel, '+.2%')}) |"
+        )
+    return lines
+
+
+def targets(results: list[dict[str, Any]], gpu: bool) -> list[tuple[str, str, str]]:
+    """(target, measured, verdict) for the issue's targets that these results cover."""
+    by = {(b["model"], b["precision"]): b["analysis"] for b in results}
+    rows: list[tuple[str, str, str]] = []
+
+    def ratio(m: str, v: str, to: str = "B0") -> float | None:
+        a = by.get((m, "bf16"))
+        if not a or v not in a["summary"]:
+            return None
+        if to == "best":
+            best = a.get("best_stock")
+            if not best:
+                return None
+            return a["summary"][best].seconds_per_step / a["summary"][v].seconds_per_step
+        return a["summary"][v].ratio_to_baseline
+
+    def check(name: str, got: float | None, want: float, spec: str = ".2f") -> None:
+        if got is None:
+            rows.append((name, "not run", "–"))
+        else:
+            rows.append((name, format(got, spec), "met" if got >= want else "**missed**"))
+
+    if not gpu:
+        for m in ("M1", "M2", "M3"):
+            check(f"{m}: F0 >= 0.98x B0", ratio(m, "F0"), 0.98)
+        check("M1: F1 >= 2.0x B0", ratio("M1", "F1"), 2.0)
+        check("M1: F1 >= 1.25x best stock (B1-B3)", ratio("M1", "F1", "best"), 1.25)
+        check("M3: F1 >= 1.2x B0", ratio("M3", "F1"), 1.2)
+        a3 = by.get(("M3", "bf16"))
+        cold = a3["figures"].get("F1", {}).get("cold_s") if a3 and "figures" in a3 else None
+        rows.append(
+            (
+                "M3: F1 compile < 30 s (cold)",
+                _fmt(cold, ".1f"),
+                "–" if cold is None else ("met" if cold < 30 else "**missed**"),
+            )
+        )
+        for (m, _), a in sorted(by.items()):
+            figs = a.get("figures", {})
+            for v in ("F0", "F1"):
+                syncs = figs.get(v, {}).get("syncs")
+                if syncs is not None:
+                    rows.append(
+                        (
+                            f"{m}: {v} zero host syncs/step",
+                            f"{syncs:g}",
+                            "met" if syncs == 0 else "**missed**",
+                        )
+                    )
+                mem, base = figs.get(v, {}).get("alloc_mb"), figs.get("B0", {}).get("alloc_mb")
+                if mem is not None and base is not None:
+                    rows.append(
+                        (
+                            f"{m}: {v} step alloc peak <= B0",
+                            f"{mem:.2f} vs {base:.2f} MiB",
+                            "met" if mem <= base else "**missed**",
+                        )
+                    )
+    else:
+        check("M1: F2 >= 3x B0", ratio("M1", "F2"), 3.0)
+        check("M2: F2 >= 3x B0", ratio("M2", "F2"), 3.0)
+        check("M3 (GPT-2 124M): F1 >= 1.5x B0", ratio("M3", "F1"), 1.5)
+        a3 = by.get(("M3", "bf16"))
+        if a3 and "F1" in a3.get("summary", {}):
+            from benchmarks.models import flops_per_window
+
+            f = a3["figures"]["F1"]
+            peak = next((x["tflops"] for x in a3["figures"].values() if x.get("tflops")), None)
+            fl = flops_per_window("M3", "cuda", f["n_params"])
+            if peak and fl:
+                mfu = fl / a3["summary"]["F1"].seconds_per_step / 1e12 / peak
+                check("M3: F1 MFU >= 45% of measured bf16 matmul peak", mfu, 0.45, ".1%")
+    return rows
+
+
+def environment(args: argparse.Namespace, device: str) -> list[str]:
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import torch, json; print(json.dumps([torch.__version__, torch.get_num_threads(),"
+            " torch.cuda.get_device_name() if torch.cuda.is_available() else None]))",
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_WAIT_POLICY": args.omp_wait_policy},
+    )
+    tv, threads, gpu_name = json.loads(probe.stdout.strip().splitlines()[-1])
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    versions = []
+    for mod in ("lightning", "accelerate"):
+        try:
+            versions.append(f"{mod} {__import__(mod).__version__}")
+        except Exception:
+            versions.append(f"{mod} not installed")
+    return [
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- machine: {cpu}; {os.cpu_count()} logical CPUs visible; torch threads {threads}"
+        + (f"; GPU: {gpu_name}" if gpu_name else "; no GPU"),
+        f"- torch {tv}; {', '.join(versions)}; Python {platform.python_version()}",
+        f"- worker environment: OMP_WAIT_POLICY={args.omp_wait_policy}, a fresh "
+        "TORCHINDUCTOR_CACHE_DIR per variant (round 0: cold), reused in later rounds (warm)",
+        f"- rounds {args.rounds}, blocks {args.blocks} x {args.steps} steps, untimed warm-up "
+        f"max({args.warmup}, {args.loss_at} - 1) steps after the first (compiling) step; "
+        f"drift limit {args.drift:.0%}"
+        + (" (**--smoke: the numbers mean nothing**)" if args.smoke else ""),
+        f"- command: `python -m benchmarks.run {' '.join(sys.argv[1:])}`".replace("  ", " "),
+    ]
+
+
+def render(
+    args: argparse.Namespace, results: list[dict[str, Any]], device: str, total_s: float
+) -> str:
+    from benchmarks.models import spec
+    from benchmarks.variants import VARIANTS
+
+    gpu = device == "cuda"
+    out = [
+        "# Benchmarks",
+        "",
+        "<!-- Written by `python -m benchmarks.run`; do not edit by hand. -->",
+        "",
+        *environment(args, device),
+        f"- suite wall time: {total_s / 60:.1f} min",
+        "",
+        "Every variant trains the same model from the same initial weights on the same "
+        "synthetic windows: one optimizer step = 4 microbatches, autocast, clip to norm 1, "
+        "AdamW (lr 1e-3, weight decay 0.01). Speed-ups are medians over the kept rounds of "
+        'the per-round ratio to B0 (min-max over rounds in brackets); "x best stock" is '
+        "against the fastest of B1-B3. Compile time is the first step minus a median step. "
+        '"Pays off after" is compile time over the time saved per step against B0. Host '
+        "syncs are the profiler's `aten::_local_scalar_dense` events per step (on a CPU "
+        "these are scalar reads, not device waits, but they are what a GPU would wait on). "
+        + (
+            "Memory is `torch.cuda.max_memory_allocated` over the timed blocks. "
+            if gpu
+            else '"Step alloc peak" is the peak of tensor bytes allocated within a step '
+            "above what was live when it began, from the profiler's memory events (the "
+            "persistent state, parameters plus AdamW moments, is the same in every variant "
+            'and not included); "peak RSS" is the process\'s peak resident set over the '
+            "timed blocks above its RSS before the model was built, which also counts the "
+            "compiler's own memory and code. "
+        )
+        + "Loss@50 is the window loss at step 50 (bf16 rounding makes small differences).",
+        "",
+        "| | variant |",
+        "|---|---|",
+        *(f"| {k} | {d}{' (GPU only)' if k in GPU_ONLY else ''} |" for k, d in VARIANTS.items()),
+        "",
+    ]
+    rows = targets(results, gpu)
+    if rows:
+        out += ["## Targets", "", "| target | measured | verdict |", "|---|---|---|"]
+        if args.smoke:
+            rows = [(t, m, "not judged (--smoke)") for t, m, _ in rows]
+        out += [f"| {t} | {m} | {v} |" for t, m, v in rows]
+        if not gpu:
+            out += [
+                "| GPU targets (M1/M2 F2 >= 3x B0; GPT-2 124M F1 >= 1.5x B0, MFU >= 45%) "
+                "| not run: no GPU | – |"
+            ]
+        out.append("")
+    for block in results:
+        m, prec = block["model"], block["precision"]
+        a = block["analysis"]
+        n = next((f["n_params"] for f in a.get("figures", {}).values()), None)
+        out += [f"## {m} ({prec}): {spec(m, device).title}", ""]
+        if n:
+            out += [f"{n / 1e6:.3f} M parameters.", ""]
+        out += _table(block, a, block["variants"], gpu)
+        out.append("")
+        bt = a.get("baseline_times", {})
+        if bt:
+            out.append(
+                "B0 ms/step by round: "
+                + ", ".join(f"{r}: {1e3 * t:.2f}" for r, t in sorted(bt.items()))
+                + "."
+            )
+        if a["discarded"]:
+            out.append(
+                "Discarded rounds (B0 drifted more than the limit from its median): "
+                + ", ".join(f"round {r} ({d:+.1%})" for r, d in sorted(a["discarded"].items()))
+                + "."
+            )
+        else:
+            out.append("No round discarded for baseline drift.")
+        for v, e in a["errors"].items():
+            out.append(f"- {v} failed: `{e}`")
+        for v in block.get("skipped", []):
+            out.append(f"- {v}: not run: no GPU")
+        out.append("")
+    if not gpu:
+        out += [
+            "## Not run here",
+            "",
+            "GPU rows (B3, F2, fp16 with GradScaler, GPT-2 124M at context 1024, MFU against "
+            "a measured bf16 matmul peak): not run: no GPU. The same command runs them on a "
+            "CUDA machine.",
+            "",
+        ]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    t_start = time.perf_counter()
+    device = args.device or ("cuda" if _cuda_available() else "cpu")
+    gpu = device == "cuda"
+    precisions = (args.precisions or ("bf16,fp16" if gpu else "bf16")).split(",")
+    wanted = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in wanted if v not in ALL_VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {ALL_VARIANTS}")
+    if "B0" not in wanted:
+        wanted.insert(0, "B0")  # the baseline of every ratio and of the drift rule
+    runnable = [v for v in wanted if gpu or v not in GPU_ONLY]
+    skipped = [v for v in wanted if v not in runnable]
+    if args.rounds < 3 and not args.smoke:
+        print("warning: fewer than 3 rounds", file=sys.stderr)
+    results = []
+    for prec in precisions:
+        if prec == "fp16" and not gpu:
+            print("fp16 rows: not run: no GPU", flush=True)
+            continue
+        for m in args.models.split(","):
+            print(
+                f"{m} {prec} on {device}: {', '.join(runnable)} x {args.rounds} rounds", flush=True
+            )
+            block = run_model(args, m, runnable, prec, device)
+            block["variants"] = wanted
+            block["loss_at"] = args.loss_at
+            block["skipped"] = skipped
+            block["analysis"] = analyse(block, tol=args.drift)
+            results.append(block)
+    text = render(args, results, device, time.perf_counter() - t_start)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    if args.json:
+        raw = [{k: v for k, v in b.items() if k != "analysis"} for b in results]
+        args.json.write_text(json.dumps(raw, indent=1))
+    print(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

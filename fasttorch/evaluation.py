@@ -1,0 +1,203 @@
+"""Evaluation: a pure, compilable eval step and a running-mean metric record.
+
+``eval_step(step)`` reuses the training step's ``loss`` phase (so the forward runs in
+the training precision when ``with_amp`` was applied), without autograd, with the
+module in evaluation mode, optionally on the EMA weights. Metrics stay on the device;
+:class:`Mean` accumulates them there, and the loop reads them once, when it logs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from fasttorch import struct
+from fasttorch.state import TrainState, check_alive
+from fasttorch.steps import Batch, LossFn, LossPhase, Metrics, Step
+from fasttorch.steps import step as make_step
+
+__all__ = ["Mean", "eval_step", "evaluate"]
+
+EvalFn = Callable[[TrainState, Batch], Metrics]
+
+
+def eval_step(step_or_loss_fn: Step | LossFn, *, use_ema: bool = False) -> EvalFn:
+    """A pure ``(state, batch) -> metrics`` evaluation of the loss, no update.
+
+    Runs the step's ``loss`` phase under ``torch.no_grad()`` with the module in
+    evaluation mode (dropout off, BatchNorm reading its running statistics; the
+    previous mode is restored after the call), and returns ``{"loss", "weight"}`` (and
+    ``"aux"`` when the loss function returns it) as device tensors. Given a step with
+    ``with_amp``, the forward runs under the same autocast. The state is not changed.
+    ``compiled(eval_step(step))`` compiles it (any callable is accepted).
+
+    Equivalent to::
+
+        model.eval()
+        with torch.no_grad(), torch.autocast(device_type, dtype):  # as in training
+            loss = loss_fn(model, batch)  # or ema_model with use_ema=True
+        model.train()
+
+    Args:
+        step_or_loss_fn: a :class:`fasttorch.Step` (uncompiled: compile the
+            evaluation itself), or a loss function ``(apply, batch) -> loss``.
+        use_ema: evaluate the averaged parameters of ``fasttorch.ema`` (from
+            ``state.substates["ema"]``) instead of ``state.params``.
+
+    Returns:
+        The evaluation function, named after the step.
+
+    Example:
+        >>> import torch, fasttorch
+        >>> from fasttorch.evaluation import eval_step
+        >>> def loss_fn(apply, batch):
+        ...     return apply(batch).pow(2).mean()
+        >>> state = fasttorch.TrainState.create(torch.nn.Linear(4, 4), fasttorch.optim.sgd(0.1))
+        >>> metrics = eval_step(loss_fn)(state, torch.randn(8, 4))
+        >>> sorted(metrics), metrics["loss"].requires_grad, float(metrics["weight"])
+        (['loss', 'weight'], False, 8.0)
+    """
+    loss: LossPhase
+    if isinstance(step_or_loss_fn, Step):
+        s = step_or_loss_fn
+        if "compiled" in s.transforms:
+            raise ValueError(
+                f"eval_step: step {s.name!r} is compiled; pass the step before compiled "
+                "and compile the evaluation instead: compiled(eval_step(step))"
+            )
+        if use_ema and "ema" not in s.transforms:
+            raise ValueError(
+                f"eval_step: use_ema=True but step {s.name!r} has no ema (transforms: "
+                f"{', '.join(s.transforms) or 'none'}); wrap it with fasttorch.ema(step, decay)"
+            )
+        loss, name = s.loss, s.name
+    elif callable(step_or_loss_fn):
+        loss = make_step(step_or_loss_fn).loss
+        name = getattr(step_or_loss_fn, "__name__", type(step_or_loss_fn).__name__)
+    else:
+        raise TypeError(
+            "eval_step expects a fasttorch.Step or a loss function (apply, batch) -> loss, "
+            f"got {type(step_or_loss_fn).__name__}"
+        )
+
+    def evaluate(state: TrainState, batch: Batch) -> Metrics:
+        if not torch.compiler.is_compiling():
+            check_alive(state, f"eval_step({name})")
+        params = state.params
+        if use_ema:
+            if "ema" not in state.substates:
+                raise ValueError(
+                    f"eval_step({name}, use_ema=True): the state has no 'ema' sub-state "
+                    f"(it has {sorted(state.substates)}); train it with a step wrapped in "
+                    "fasttorch.ema, or call that step's init(state) first"
+                )
+            params = state.substates["ema"].params
+        module = state.module
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                out = loss(state, params, state.buffers, batch)
+        finally:
+            module.train(was_training)
+        metrics: Metrics = {"loss": out.value, "weight": out.weight}
+        if out.aux is not None:
+            metrics["aux"] = out.aux
+        return metrics
+
+    evaluate.__name__ = evaluate.__qualname__ = name
+    return evaluate
+
+
+class Mean(struct.Record):
+    """A running weighted mean kept on the device: ``total / count``.
+
+    Immutable: :meth:`update` returns a new record, so it can be carried through a
+    compiled evaluation loop. Nothing is read to the host until you call ``float()`` on
+    :meth:`compute`'s result.
+
+    Attributes:
+        total: the weighted sum of the values (0-d).
+        count: the sum of the weights (0-d).
+
+    Example:
+        >>> import torch
+        >>> from fasttorch.evaluation import Mean
+        >>> m = Mean.zeros()
+        >>> m = m.update(torch.tensor(2.0), weight=3).update(torch.tensor(4.0), weight=1)
+        >>> float(m.compute())
+        2.5
+    """
+
+    total: torch.Tensor
+    count: torch.Tensor
+
+    @classmethod
+    def zeros(cls, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Mean:
+        """An empty mean (``compute()`` gives NaN until the first update)."""
+        zero = torch.zeros((), dtype=dtype, device=device)
+        return cls(total=zero, count=zero.clone())
+
+    def update(self, value: torch.Tensor | float, weight: torch.Tensor | float = 1.0) -> Mean:
+        """Add ``value`` (a mean over ``weight`` items) and return the new record.
+
+        ``value`` may hold several values; ``weight`` broadcasts against it.
+        """
+        v = torch.as_tensor(value, device=self.total.device).to(self.total.dtype)
+        w = torch.as_tensor(weight, device=self.total.device).to(self.total.dtype)
+        w = w.expand_as(v) if w.ndim <= v.ndim else w
+        return Mean(total=self.total + (v * w).sum(), count=self.count + w.sum())
+
+    def merge(self, other: Mean) -> Mean:
+        """The mean over both records' values (e.g. after an all-reduce of each field)."""
+        return Mean(total=self.total + other.total, count=self.count + other.count)
+
+    def compute(self) -> torch.Tensor:
+        """``total / count`` as a 0-d device tensor."""
+        return self.total / self.count
+
+
+def evaluate(fn: EvalFn, state: TrainState, batches: Iterable[Batch]) -> dict[str, torch.Tensor]:
+    """Mean of ``fn``'s ``loss`` (and floating 0-d ``aux``) over ``batches``, on the device.
+
+    Each batch is weighted by its ``metrics["weight"]``, so the result is the mean over
+    every sample (or token), whatever the batch sizes. No host sync happens here.
+
+    Args:
+        fn: an evaluation function, e.g. ``eval_step(step)`` or
+            ``compiled(eval_step(step))``.
+        state: the state to evaluate.
+        batches: the evaluation batches (already on the state's device).
+
+    Returns:
+        ``{"loss": ..., **aux}`` as 0-d tensors.
+
+    Example:
+        >>> import torch, fasttorch
+        >>> from fasttorch.evaluation import eval_step, evaluate
+        >>> def loss_fn(apply, batch):
+        ...     return apply(batch).pow(2).mean()
+        >>> state = fasttorch.TrainState.create(torch.nn.Linear(4, 4), fasttorch.optim.sgd(0.1))
+        >>> out = evaluate(eval_step(loss_fn), state, [torch.randn(8, 4), torch.randn(2, 4)])
+        >>> sorted(out), out["loss"].shape
+        (['loss'], torch.Size([]))
+    """
+    means: dict[str, Mean] = {}
+    for batch in batches:
+        m = fn(state, batch)
+        values = {"loss": m["loss"]}
+        aux = m.get("aux")
+        if isinstance(aux, dict):
+            values.update(
+                {
+                    k: v
+                    for k, v in aux.items()
+                    if isinstance(v, torch.Tensor) and v.ndim == 0 and v.is_floating_point()
+                }
+            )
+        for k, v in values.items():
+            if k not in means:
+                means[k] = Mean.zeros(v.device)
+            means[k] = means[k].update(v, m["weight"])
+    return {k: mean.compute() for k, mean in means.items()}

@@ -1,0 +1,127 @@
+"""``ema``: an exponential moving average of the parameters, kept in the state."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fasttorch import struct
+from fasttorch.state import TrainState
+from fasttorch.steps import GradOut, Metrics, Step, Tensors, check_wrap
+
+__all__ = ["EmaState", "ema"]
+
+
+class EmaState(struct.Record):
+    """Sub-state ``"ema"``: the averaged parameters and how many updates they have seen.
+
+    Attributes:
+        params: the moving average of each parameter, same names, shapes and dtypes
+            as ``state.params``.
+        count: int64 0-d, the EMA updates applied so far (skipped steps excluded);
+            the warm-up reads it.
+    """
+
+    params: Tensors
+    count: torch.Tensor
+
+
+def _init(state: TrainState) -> EmaState:
+    return EmaState(
+        params={k: p.detach().clone() for k, p in state.params.items()},
+        count=torch.zeros((), dtype=torch.int64, device=state.device),
+    )
+
+
+def ema(step: Step, decay: float, *, warmup: float | None = None) -> Step:
+    """Keep an exponential moving average of the parameters in ``state.substates["ema"]``.
+
+    After every optimizer update, each averaged parameter moves towards the new
+    parameter: ``ema_p = decay * ema_p + (1 - decay) * p``, one ``torch._foreach_lerp``
+    for all of them, inside the step (and its compiled graph). The average starts as a
+    copy of the parameters when the sub-state is added (``step.init`` or the first
+    call). A skipped fp16 update (non-finite gradients) does not advance the average
+    or its ``count``. Evaluate with it through
+    ``fasttorch.evaluation.eval_step(step, use_ema=True)``.
+
+    With ``warmup=w``, update ``t`` (counting from 0) uses
+    ``min(decay, (1 + t) / (w + t))``: the ``num_updates`` rule of TensorFlow's
+    ``ExponentialMovingAverage`` (``w = 10``), so early averages do not stay
+    anchored at the random initialization.
+
+    Equivalent to::
+
+        ema_model = copy.deepcopy(model)
+        ...
+        scaler.step(opt)  # the update; skipped on inf/NaN gradients
+        if not skipped:
+            for ema_p, p in zip(ema_model.parameters(), model.parameters()):
+                ema_p.lerp_(p, 1 - decay)
+
+    Args:
+        step: a step built by :func:`fasttorch.step`, possibly transformed (not
+            compiled: apply ``compiled`` last).
+        decay: the weight of the old average, in ``[0, 1)``; ``0.999`` is common.
+        warmup: ``None`` (constant ``decay``) or ``w > 1`` for the rule above.
+
+    Returns:
+        The step that also updates ``state.substates["ema"]`` (an :class:`EmaState`).
+
+    Example:
+        >>> import torch, fasttorch
+        >>> def loss_fn(apply, batch):
+        ...     return apply(batch).pow(2).mean()
+        >>> state = fasttorch.TrainState.create(torch.nn.Linear(4, 4), fasttorch.optim.sgd(0.1))
+        >>> averaged = fasttorch.ema(fasttorch.step(loss_fn), 0.9)
+        >>> state, metrics = averaged(state, torch.randn(8, 4))
+        >>> sorted(state.substates), int(state.substates["ema"].count)
+        (['ema'], 1)
+    """
+    check_wrap(step, "ema")
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)):
+        raise TypeError(f"ema: decay must be a number in [0, 1), got {type(decay).__name__}")
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"ema: decay must be in [0, 1) (0.999 is common), got {decay}")
+    if warmup is not None and (
+        isinstance(warmup, bool)
+        or not isinstance(warmup, (int, float))
+        or not (warmup > 1 and math.isfinite(warmup))
+    ):
+        raise ValueError(
+            f"ema: warmup must be None or a finite number > 1 (10 gives TensorFlow's "
+            f"min(decay, (1 + t) / (10 + t))), got {warmup!r}"
+        )
+    inner = step.update
+    rate = 1.0 - float(decay)
+
+    def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
+        old: EmaState = state.substates["ema"]
+        new, metrics = inner(state, g)
+        # The skip flag is on GradOut when with_amp wraps this update, and in the
+        # metrics when this update wraps with_amp's: honour both orders.
+        flags = [f for f in (g.skip, metrics.get("skipped")) if f is not None]
+        skip = None
+        for f in flags:
+            skip = f if skip is None else skip | f
+        weight: float | torch.Tensor = rate
+        if warmup is not None:
+            t = old.count.double()
+            d = torch.clamp((1.0 + t) / (warmup + t), max=float(decay))
+            weight = (1.0 - d).float()
+        if skip is not None:
+            # Weight 0 leaves the average exactly as it was (params stay finite when
+            # an update is skipped): a tensor op, no host sync.
+            weight = torch.where(skip, 0.0, weight)
+        names = list(old.params)
+        olds = list(old.params.values())
+        news = [new.params[k] for k in names]
+        if isinstance(weight, torch.Tensor):
+            averaged = torch._foreach_lerp(olds, news, [weight.to(o.dtype) for o in olds])
+        else:
+            averaged = torch._foreach_lerp(olds, news, weight)
+        count = old.count + 1 if skip is None else old.count + (~skip).long()
+        sub = EmaState(params=dict(zip(names, averaged)), count=count)
+        return new.replace(substates={**new.substates, "ema": sub}), metrics
+
+    return step.with_phases("ema", update=update, inits=(*step.inits, ("ema", _init)))

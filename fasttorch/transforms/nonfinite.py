@@ -1,0 +1,186 @@
+"""``skip_nonfinite``: skip updates with inf/NaN gradients, and stop after too many."""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from typing import Any
+
+import attrs
+import torch
+
+from fasttorch import struct
+from fasttorch.state import TrainState, check_alive
+from fasttorch.steps import Batch, GradOut, Metrics, Step, check_wrap, global_norm, reciprocal
+
+__all__ = ["NonFiniteError", "NonFiniteState", "skip_nonfinite"]
+
+KEY = "nonfinite"
+
+
+class NonFiniteError(FloatingPointError):
+    """Too many updates in a row had non-finite gradients (see :func:`skip_nonfinite`)."""
+
+
+class NonFiniteState(struct.Record):
+    """Sub-state ``"nonfinite"``: updates skipped for inf/NaN gradients.
+
+    Attributes:
+        skipped_total: updates skipped so far (int64 0-d).
+        skipped_in_a_row: consecutive skipped updates up to now (int64 0-d); an
+            applied update resets it to 0.
+    """
+
+    skipped_total: torch.Tensor
+    skipped_in_a_row: torch.Tensor
+
+
+def _init(state: TrainState) -> NonFiniteState:
+    zero = torch.zeros((), dtype=torch.int64, device=state.device)
+    return NonFiniteState(skipped_total=zero, skipped_in_a_row=zero.clone())
+
+
+class _Watch:
+    """Host side of the policy: counter values copied off the device one call late."""
+
+    def __init__(self) -> None:
+        self.last: weakref.ref[TrainState] | None = None
+        self.queue: deque[tuple[torch.Tensor, Any]] = deque()
+
+
+@attrs.frozen(slots=False)
+class _GuardedStep(Step):
+    """A :class:`Step` whose call raises :class:`NonFiniteError` past the limit."""
+
+    max_consecutive: int | None = None
+
+    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        watch: _Watch = self.__dict__.setdefault("_nonfinite_watch", _Watch())
+        if self.max_consecutive is not None:
+            self._check(watch, state)
+        new, metrics = super().__call__(state, batch)
+        if self.max_consecutive is not None and new.device.type != "cpu":
+            counter = new.substates[KEY].skipped_in_a_row
+            host = torch.empty((), dtype=counter.dtype, pin_memory=True)
+            host.copy_(counter, non_blocking=True)
+            event = torch.cuda.Event() if new.device.type == "cuda" else None  # type: ignore[no-untyped-call]
+            if event is not None:
+                event.record()
+            watch.queue.append((host, event))
+            watch.last = weakref.ref(new)
+        return new, metrics
+
+    def _check(self, watch: _Watch, state: TrainState) -> None:
+        check_alive(state, self.name)
+        if KEY not in state.substates:
+            return
+        limit = self.max_consecutive
+        assert limit is not None
+        if state.device.type == "cpu":
+            # The CPU has finished the previous step when it returns: no wait.
+            seen = [int(state.substates[KEY].skipped_in_a_row)]
+        else:
+            if watch.last is None or watch.last() is not state:
+                watch.queue.clear()  # copies of another state's counter
+            seen = []
+            while watch.queue and (watch.queue[0][1] is None or watch.queue[0][1].query()):
+                seen.append(int(watch.queue.popleft()[0]))
+        if seen and max(seen) >= limit:
+            sub: NonFiniteState = state.substates[KEY]
+            total = int(sub.skipped_total) if state.device.type == "cpu" else "?"
+            raise NonFiniteError(
+                f"step {self.name!r}: the last {max(seen)} updates in a row had non-finite "
+                f"gradients (inf or NaN) and were skipped, reaching "
+                f"max_consecutive={limit} ({total} skipped in all, at step "
+                f"{int(state.step)}). The state passed to this call is the last one "
+                "(parameters as of the last finite update); it was not changed and can "
+                "be saved or inspected. Usual causes: a learning rate too high, "
+                "NaN/inf in the data, a log/div of zero in the loss, or an fp16 "
+                "overflow in the forward pass. Raise max_consecutive (or pass None) to "
+                "keep skipping"
+            )
+
+
+def skip_nonfinite(step: Step, *, max_consecutive: int | None = 20) -> Step:
+    """Skip updates whose gradients hold inf or NaN, count them, and stop after too many.
+
+    Works in every precision (fp32, bf16, fp16): when the global gradient norm is not
+    finite, the update is not applied (parameters and optimizer state stay as they
+    were, a ``torch.where``, no host sync), ``state.step`` still advances, and
+    ``state.substates["nonfinite"]`` (:class:`NonFiniteState`) counts
+    ``skipped_total`` and ``skipped_in_a_row``; these are the counters the policy
+    reads, whatever the precision (fp16 ``with_amp`` keeps its own too, and its skips
+    are counted here as well). Metrics gain ``skipped``. With ``grad_accumulate`` a
+    skip is one whole window.
+
+    When ``skipped_in_a_row`` reaches ``max_consecutive`` the next call raises
+    :class:`NonFiniteError` before running, leaving the state it was given intact,
+    instead of training on nothing forever. The counter is read outside the step and
+    one call late (on a GPU from a non-blocking copy started when the previous call
+    returned, read only once it has landed), so no step waits on the device. It
+    composes with every transform in any order, ``compiled`` outermost; the check
+    stays outside the compiled graph.
+
+    Equivalent to::
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
+        if torch.isfinite(grad_norm):
+            opt.step(); in_a_row = 0
+        else:
+            in_a_row += 1; total += 1
+            if in_a_row >= max_consecutive: raise FloatingPointError(...)
+
+    Args:
+        step: a step built by :func:`fasttorch.step`, possibly transformed.
+        max_consecutive: how many skipped updates in a row to allow; ``None`` never
+            raises (skip and count only).
+
+    Example:
+        >>> import torch, fasttorch
+        >>> def loss_fn(apply, batch):
+        ...     return apply(batch).pow(2).mean()
+        >>> state = fasttorch.TrainState.create(torch.nn.Linear(2, 1), fasttorch.optim.sgd(0.1))
+        >>> guarded = fasttorch.skip_nonfinite(fasttorch.step(loss_fn), max_consecutive=2)
+        >>> bad = torch.full((4, 2), float("nan"))
+        >>> state, metrics = guarded(state, bad)
+        >>> state, metrics = guarded(state, bad)
+        >>> bool(metrics["skipped"]), int(state.substates["nonfinite"].skipped_in_a_row)
+        (True, 2)
+        >>> guarded(state, bad)
+        Traceback (most recent call last):
+        ...
+        fasttorch.transforms.nonfinite.NonFiniteError: step 'loss_fn': the last 2 updates ...
+    """
+    check_wrap(step, "skip_nonfinite")
+    if max_consecutive is not None and (
+        isinstance(max_consecutive, bool)
+        or not isinstance(max_consecutive, int)
+        or max_consecutive < 1
+    ):
+        raise ValueError(
+            "skip_nonfinite: max_consecutive must be an integer >= 1, or None to never "
+            f"raise; got {max_consecutive!r}"
+        )
+    inner = step.update
+
+    def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
+        counts: NonFiniteState = state.substates[KEY]
+        norm = g.norm
+        if norm is None:
+            norm = global_norm(g.grads)
+            if g.scale is not None:
+                norm = norm * reciprocal(g.scale)
+        found = ~torch.isfinite(norm)
+        skip = found if g.skip is None else g.skip | found
+        new, metrics = inner(state, g.replace(norm=norm, skip=skip))
+        counts = NonFiniteState(
+            skipped_total=counts.skipped_total + skip.long(),
+            skipped_in_a_row=torch.where(skip, counts.skipped_in_a_row + 1, 0),
+        )
+        new = new.replace(substates={**new.substates, KEY: counts})
+        metrics["skipped"] = skip
+        return new, metrics
+
+    changed = step.with_phases("skip_nonfinite", update=update, inits=(*step.inits, (KEY, _init)))
+    fields = {f.name: getattr(changed, f.name) for f in attrs.fields(Step)}
+    return _GuardedStep(**fields, max_consecutive=max_consecutive)

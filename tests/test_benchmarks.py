@@ -1,0 +1,97 @@
+"""The benchmark suite's machinery: its statistics, and that the one command runs.
+
+Nothing here is a performance claim: the smoke run's numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.stats import drifted_rounds, payback_steps, per_step, schedule, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_rounds_interleave_every_variant():
+    order = schedule(["B0", "F0", "F1"], 3)
+    assert [v for _, v in order] == ["B0", "F0", "F1"] * 3
+    assert [r for r, _ in order] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+
+
+def test_schedule_rejects_bad_input():
+    with pytest.raises(ValueError, match="rounds"):
+        schedule(["B0"], 0)
+    with pytest.raises(ValueError, match="distinct"):
+        schedule(["B0", "B0"], 3)
+
+
+def test_time_per_step_is_the_median_block():
+    # One slow block (a hiccup) does not move the median.
+    assert per_step([2.0, 2.1, 1.9, 9.0, 2.0], 100) == pytest.approx(0.02)
+    assert per_step([1.0, 3.0], 10) == pytest.approx(0.2)  # even count: mean of middle two
+    with pytest.raises(ValueError):
+        per_step([], 100)
+
+
+def test_drift_rule_discards_only_rounds_past_the_limit():
+    base = {0: 1.00, 1: 1.04, 2: 0.97, 3: 1.06, 4: 0.90}
+    # low median over 5 values: 1.00; 1.06 is 6% away, 0.90 is 10%: both dropped
+    out = drifted_rounds(base, tol=0.05)
+    assert sorted(out) == [3, 4]
+    assert out[4] == pytest.approx(0.10)
+    assert drifted_rounds({0: 1.0, 1: 1.049}, tol=0.05) == {}  # within the limit: kept
+
+
+def test_drift_rule_always_keeps_a_round():
+    out = drifted_rounds({0: 1.0, 1: 2.0}, tol=0.05)
+    assert len(out) == 1
+
+
+def test_summary_uses_per_round_ratios_over_kept_rounds():
+    times = {
+        "B0": {0: 0.10, 1: 0.20, 2: 0.10},
+        "F1": {0: 0.05, 1: 0.05, 2: 0.04},
+    }
+    s = summarize(times, "B0", keep=[0, 2])
+    assert s["F1"].rounds == 2
+    assert s["F1"].ratio_to_baseline == pytest.approx((2.0 + 2.5) / 2)
+    assert (s["F1"].ratio_min, s["F1"].ratio_max) == pytest.approx((2.0, 2.5))
+    assert s["B0"].ratio_to_baseline == 1.0
+    assert s["F1"].seconds_per_step == pytest.approx(0.045)
+
+
+def test_payback():
+    assert payback_steps(10.0, 0.01, 0.02) == pytest.approx(1000.0)
+    assert payback_steps(10.0, 0.03, 0.02) is None  # slower per step: never pays
+
+
+def test_smoke_run_writes_the_document(tmp_path):
+    out = tmp_path / "benchmarks.md"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = out.read_text()
+    assert "torch " in text and "date:" in text
+    assert "| B0 |" in text and "| F0 |" in text
+    assert "not run: no GPU" in text or "GPU:" in text
+
+
+def test_stats_doctests():
+    import doctest
+
+    import benchmarks.stats
+
+    result = doctest.testmod(benchmarks.stats, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0

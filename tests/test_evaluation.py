@@ -1,0 +1,130 @@
+"""eval_step and Mean: no autograd, eval mode, training precision, EMA weights, compilable."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from reference import BatchNormNet, LayerNormNet, batches, mse
+
+import fasttorch
+from fasttorch.evaluation import Mean, eval_step, evaluate
+
+counters = torch._dynamo.utils.counters
+
+
+class DropoutBNNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = BatchNormNet()
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.net(x))
+
+
+def _trained(model, step, n=3):
+    state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(1e-2))
+    for b in batches(n, 16):
+        state, _ = step(state, b)
+    return state
+
+
+def test_eval_mode_no_grad_state_untouched_mode_restored():
+    torch.manual_seed(0)
+    state = _trained(DropoutBNNet(), fasttorch.step(mse, donate=False))
+    leaves = [t.clone() for t in pytree.tree_leaves(state)]
+    x, y = batches(1, 16, seed=1)[0]
+    m = eval_step(mse)(state, (x, y))
+    assert not m["loss"].requires_grad and m["loss"].device == x.device
+    assert float(m["weight"]) == 16.0
+    assert state.module.training  # restored
+    assert all(torch.equal(a, b) for a, b in zip(leaves, pytree.tree_leaves(state)))
+    ref = copy.deepcopy(state.module)
+    ref.load_state_dict(state.state_dict())
+    ref.eval()
+    with torch.no_grad():  # dropout off, BatchNorm on running statistics
+        torch.testing.assert_close(m["loss"], mse(ref, (x, y)), rtol=1e-6, atol=1e-7)
+    state.module.eval()
+    eval_step(mse)(state, (x, y))
+    assert not state.module.training  # a module left in eval mode stays there
+
+
+def test_reuses_the_training_precision():
+    torch.manual_seed(0)
+    model = LayerNormNet()
+    bf16 = fasttorch.with_amp(fasttorch.step(mse, donate=False), "bf16")
+    state = fasttorch.TrainState.create(model, fasttorch.optim.sgd(0.1))
+    x, y = batches(1, 16)[0]
+    low, full = eval_step(bf16)(state, (x, y)), eval_step(mse)(state, (x, y))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = mse(model.eval(), (x, y))
+    model.train()
+    torch.testing.assert_close(low["loss"], ref, rtol=0, atol=0)
+    assert not torch.equal(low["loss"], full["loss"])
+
+
+def test_use_ema_evaluates_the_averaged_weights():
+    torch.manual_seed(0)
+    step = fasttorch.ema(fasttorch.step(mse), 0.5)
+    state = _trained(LayerNormNet(), step)
+    b = batches(1, 16, seed=3)[0]
+    on_ema = eval_step(step, use_ema=True)(state, b)
+    ref = copy.deepcopy(state.module)
+    ref.load_state_dict(state.substates["ema"].params, strict=False)
+    with torch.no_grad():
+        torch.testing.assert_close(on_ema["loss"], mse(ref.eval(), b), rtol=1e-6, atol=1e-7)
+    assert not torch.equal(on_ema["loss"], eval_step(step)(state, b)["loss"])
+    # A loss function works too, once the state holds an average.
+    torch.testing.assert_close(eval_step(mse, use_ema=True)(state, b)["loss"], on_ema["loss"])
+
+
+def test_wrap_time_and_call_time_errors():
+    plain = fasttorch.step(mse)
+    with pytest.raises(ValueError, match=r"use_ema=True but step 'mse' has no ema.*fasttorch.ema"):
+        eval_step(plain, use_ema=True)
+    with pytest.raises(ValueError, match=r"is compiled.*compiled\(eval_step\(step\)\)"):
+        eval_step(fasttorch.compiled(plain))
+    with pytest.raises(TypeError, match=r"expects a fasttorch.Step or a loss function .*, got int"):
+        eval_step(3)
+    torch.manual_seed(0)
+    state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.sgd(0.1))
+    with pytest.raises(ValueError, match=r"no 'ema' sub-state \(it has \[\]\)"):
+        eval_step(mse, use_ema=True)(state, batches(1, 4)[0])
+
+
+def test_compiles_one_graph_no_breaks_and_equals_eager():
+    torch.manual_seed(0)
+    step = fasttorch.ema(fasttorch.with_amp(fasttorch.step(mse), "bf16"), 0.9)
+    state = _trained(DropoutBNNet(), step)
+    ev = eval_step(step, use_ema=True)
+    fast = fasttorch.compiled(ev, backend="aot_eager")
+    for b in batches(4, 16, seed=5):
+        torch.testing.assert_close(fast(state, b)["loss"], ev(state, b)["loss"])
+    assert state.module.training
+    assert not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 1
+    assert sum(counters["recompiles"].values()) == 0
+
+
+def test_mean_is_a_weighted_running_mean_on_the_device():
+    m = Mean.zeros()
+    assert torch.isnan(m.compute())
+    m1 = m.update(torch.tensor(1.0), weight=torch.tensor(3.0))
+    assert float(m.count) == 0.0  # update returns a new record
+    m2 = m1.update(torch.tensor([2.0, 4.0]))  # several values, weight 1 each
+    assert float(m2.compute()) == pytest.approx((3 + 2 + 4) / 5)
+    merged = m2.merge(Mean.zeros().update(torch.tensor(10.0), 5))
+    assert float(merged.compute()) == pytest.approx((9 + 50) / 10)
+    assert pytree.tree_leaves(merged)[0] is merged.total  # a pytree record
+
+
+def test_evaluate_weights_batches_by_their_size():
+    torch.manual_seed(0)
+    state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.sgd(0.1))
+    ((x, y),) = batches(1, 20)
+    parts = [(x[:4], y[:4]), (x[4:], y[4:])]
+    out = evaluate(eval_step(mse), state, parts)
+    torch.testing.assert_close(out["loss"], eval_step(mse)(state, (x, y))["loss"])

@@ -1,0 +1,121 @@
+"""skip_nonfinite: skip inf/NaN updates in every precision, count them, stop after N."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import fasttorch
+from fasttorch import checkpoint
+from fasttorch.transforms.nonfinite import NonFiniteError
+
+NAN = float("nan")
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def loss_fn(apply, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(apply(x).float(), y)
+
+
+def make():
+    torch.manual_seed(0)
+    return fasttorch.TrainState.create(torch.nn.Linear(4, 2), fasttorch.optim.adam(0.1))
+
+
+def good(i=0):
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+
+
+def bad():
+    x, y = good()
+    return x, y.clone().fill_(NAN)
+
+
+def counts(state):
+    s = state.substates["nonfinite"]
+    return int(s.skipped_in_a_row), int(s.skipped_total)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("compile_it", [False, True])
+def test_skips_counts_and_raises_one_call_late(precision, compile_it):
+    step = fasttorch.step(loss_fn)
+    if precision != "fp32":
+        step = fasttorch.with_amp(step, precision)
+    step = fasttorch.skip_nonfinite(fasttorch.clip_scaled(step, 1.0), max_consecutive=2)
+    if compile_it:
+        step = fasttorch.compiled(step, backend="aot_eager")
+    state, _ = step(make(), good())
+    before = {k: v.clone() for k, v in state.params.items()}
+    opt_before = [t.clone() for t in pytree.tree_leaves(state.opt_state)]
+    state, m = step(state, bad())
+    assert bool(m["skipped"]) and counts(state) == (1, 1)
+    assert all(torch.equal(before[k], state.params[k]) for k in before)  # not applied
+    assert all(torch.equal(a, b) for a, b in zip(opt_before, pytree.tree_leaves(state.opt_state)))
+    assert int(state.step) == 2  # the step counter still advances
+    state, m = step(state, good(1))
+    assert not bool(m["skipped"]) and counts(state) == (0, 1)  # a good update resets the run
+    state, _ = step(state, bad())
+    state, _ = step(state, bad())
+    assert counts(state) == (2, 3)
+    kept = {k: v.clone() for k, v in state.params.items()}
+    with pytest.raises(NonFiniteError, match=r"the last 2 updates in a row had non-finite") as e:
+        step(state, good(2))  # raises before running: the state is still usable
+    assert "max_consecutive=2" in str(e.value) and "3 skipped in all" in str(e.value)
+    assert isinstance(e.value, FloatingPointError)
+    assert all(torch.equal(kept[k], state.params[k]) for k in kept)
+    if precision == "fp16":
+        amp = state.substates["amp"]
+        assert (int(amp.skipped_in_a_row), int(amp.skipped_total)) == counts(state)
+
+
+def test_order_with_other_transforms_does_not_matter():
+    results = []
+    for order in range(3):
+        s = fasttorch.step(loss_fn)
+        if order == 0:
+            s = fasttorch.skip_nonfinite(fasttorch.with_amp(s, "fp16"), max_consecutive=None)
+        elif order == 1:
+            s = fasttorch.with_amp(fasttorch.skip_nonfinite(s, max_consecutive=None), "fp16")
+        else:
+            s = fasttorch.grad_accumulate(fasttorch.skip_nonfinite(s, max_consecutive=None), 2)
+            s = fasttorch.with_amp(s, "fp16")
+        state = make()
+        for b in (good(), bad(), bad(), good(1), bad()):
+            state, _ = s(state, b)
+        results.append((counts(state), {k: v.clone() for k, v in state.params.items()}))
+    assert results[0][0] == results[1][0] == results[2][0] == (1, 3)
+    first, second, _ = (params for _, params in results)  # (fp16 microbatches round apart)
+    assert all(torch.equal(first[k], second[k]) for k in first)  # bit for bit
+
+
+def test_none_never_raises_and_bad_arguments_are_explained():
+    step = fasttorch.skip_nonfinite(fasttorch.step(loss_fn), max_consecutive=None)
+    state = make()
+    for _ in range(5):
+        state, _ = step(state, bad())
+    assert counts(state) == (5, 5)
+    with pytest.raises(ValueError, match="max_consecutive must be an integer >= 1, or None"):
+        fasttorch.skip_nonfinite(fasttorch.step(loss_fn), max_consecutive=0)
+    with pytest.raises(ValueError, match="compiled must be the outermost"):
+        fasttorch.skip_nonfinite(fasttorch.compiled(fasttorch.step(loss_fn), backend="eager"))
+    with pytest.raises(ValueError, match="already applied"):
+        fasttorch.skip_nonfinite(fasttorch.skip_nonfinite(fasttorch.step(loss_fn)))
+
+
+def test_counters_survive_a_checkpoint(tmp_path):
+    step = fasttorch.skip_nonfinite(fasttorch.step(loss_fn), max_consecutive=3)
+    state = make()
+    for b in (bad(), good(), bad(), bad()):
+        state, _ = step(state, b)
+    path = checkpoint.save(tmp_path, state)
+    fresh = fasttorch.skip_nonfinite(fasttorch.step(loss_fn), max_consecutive=3)
+    state, _ = checkpoint.load(path, fresh.init(make()))
+    assert counts(state) == (2, 3)
+    state, _ = fresh(state, bad())  # the third in a row, counted across the resume
+    with pytest.raises(NonFiniteError, match="the last 3 updates in a row"):
+        fresh(state, good())
