@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, TypeAlias
@@ -515,7 +516,7 @@ class _Kernels:
     ) -> tuple[AccumState, GradOut]:
         s = self.step
         g = s.grad(s.loss, state, batch, 1.0 / n)
-        return commit(donate_acc, acc, accumulate(acc, g, n, donate_acc)), g
+        return accumulate(acc, g, n, donate_acc), g
 
     def _apply(self, state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         new, metrics = self.step.update(state, g)
@@ -530,7 +531,7 @@ class _Kernels:
         owned = not reset or s.donate
         g = s.grad(s.loss, state, batch, 1.0 / n)
         acc2 = accumulate(acc, g, n, owned)
-        total = acc2.weight
+        total = acc2.weight.clone()  # the window is zeroed below when it is the state's
         sums = list(acc2.grads.values())
         if owned:
             torch._foreach_div_(sums, total)
@@ -561,8 +562,10 @@ def accumulate(acc: AccumState, g: GradOut, n: int, in_place: bool) -> AccumStat
     sums = list(acc.grads.values())
     if in_place:  # the window is a temporary, or donated: no allocation per microbatch
         torch._foreach_add_(sums, fresh)
-    else:
-        sums = list(torch._foreach_add(sums, fresh))
+        acc.weight.add_(w)
+        acc.value.add_(g.value * w)
+        return acc
+    sums = list(torch._foreach_add(sums, fresh))
     return AccumState(
         grads=dict(zip(acc.grads, sums)), weight=acc.weight + w, value=acc.value + g.value * w
     )
@@ -602,23 +605,46 @@ def compile_step_fn(fn: Callable[..., Any], **options: Any) -> Callable[..., Any
 def commit(donate: bool, old: Any, new: Any) -> Any:
     """With donation, write ``new``'s tensors into ``old``'s and return ``new`` over them.
 
-    This is the one place in-place updates happen: phases compute out of place, and
-    under ``compiled`` the copies fuse into the kernels that produce the values.
+    Phases compute new values (in eager mode some update tensors they own in place);
+    this is where a donated state's tensors take the results. Under ``compiled`` the
+    copies fuse into the kernels that produce the values. The walk stops at subtrees
+    that are the same object, so an update that already happened in place costs nothing.
     """
     if not donate:
         return new
-    olds = pytree.tree_leaves(old)
-    news, spec = pytree.tree_flatten(new)
-    dst, src = [], []
-    out = list(news)
-    for i, (o, n) in enumerate(zip(olds, news)):
-        if isinstance(o, torch.Tensor) and isinstance(n, torch.Tensor) and o is not n:
-            dst.append(o)
-            src.append(n)
-            out[i] = o
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    out = _reuse(old, new, dst, src)
     if dst:
         torch._foreach_copy_(dst, src)
-    return pytree.tree_unflatten(out, spec)
+    return out
+
+
+def _reuse(old: Any, new: Any, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Any:
+    """``new`` with its tensors swapped for ``old``'s where they differ (copies queued)."""
+    if old is new:
+        return new
+    if isinstance(new, torch.Tensor):
+        if isinstance(old, torch.Tensor) and old.shape == new.shape and old.dtype == new.dtype:
+            dst.append(old)
+            src.append(new)
+            return old
+        return new
+    if isinstance(new, dict) and isinstance(old, dict):
+        return {k: _reuse(old[k], v, dst, src) if k in old else v for k, v in new.items()}
+    if isinstance(new, struct.Record) and type(old) is type(new):
+        changes = {}
+        for f in dataclasses.fields(new):
+            if f.metadata.get("fasttorch_static", False):
+                continue
+            a, b = getattr(old, f.name), getattr(new, f.name)
+            if a is not b:
+                changes[f.name] = _reuse(a, b, dst, src)
+        return new.replace(**changes) if changes else new
+    if isinstance(new, (list, tuple)) and isinstance(old, (list, tuple)) and len(old) == len(new):
+        items = [_reuse(a, b, dst, src) for a, b in zip(old, new)]
+        return type(new)(items) if isinstance(new, list) else tuple(items)
+    return new
 
 
 def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
@@ -649,10 +675,12 @@ def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metri
                 for mb in micro[:-1]:
                     acc, g = k.micro(state, acc, mb, acc_cfg.n, True)
                     aux_sum = _add_weighted(aux_sum, g.aux, g.weight)
+                # The last microbatch adds to the window in place: note its weight first.
+                before = acc.weight.clone() if aux_sum is not None else None
                 new, metrics, _, w_last = last(state, acc, micro[-1], acc_cfg.n, False)
-                if aux_sum is not None and "aux" in metrics:
+                if before is not None and "aux" in metrics:
                     total = _add_weighted(aux_sum, metrics["aux"], w_last)
-                    weight = acc.weight + w_last
+                    weight = before + w_last
                     metrics["aux"] = pytree.tree_map(
                         lambda t: t / weight if _is_float(t) else t, total
                     )
