@@ -21,6 +21,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, TypeAlias
 
@@ -216,6 +217,8 @@ def _loss_phase(loss_fn: LossFn) -> LossPhase:
 
     def loss(state: TrainState, params: Tensors, buffers: Tensors, batch: Batch) -> Loss:
         def apply(*args: Any, **kwargs: Any) -> Any:
+            if type(params) is ModuleTensors:  # the module's own tensors: call it as is
+                return state.module(*args, **kwargs)
             return functional_call(state.module, (params, buffers), args, kwargs)
 
         if torch.compiler.is_compiling():
@@ -270,8 +273,14 @@ def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> G
     While a data-parallel reduction is active (``fasttorch.distributed``, eager only),
     each parameter's hook hands its gradient to the reducer as soon as it is ready.
     """
-    reduction = None if torch.compiler.is_compiling() else _REDUCTION.get()
-    params = {k: p.detach().requires_grad_() for k, p in state.params.items()}
+    compiling = torch.compiler.is_compiling()
+    reduction = None if compiling else _REDUCTION.get()
+    direct = None if compiling else module_tensors(state)
+    params: Tensors = (
+        direct
+        if direct is not None
+        else {k: p.detach().requires_grad_() for k, p in state.params.items()}
+    )
     with torch.enable_grad():
         out = loss(state, params, state.buffers, batch)
         handles = [] if reduction is None else reduction.attach(params, out)
@@ -286,6 +295,49 @@ def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> G
     return GradOut(
         grads=dict(zip(params, grads)), value=out.value.detach(), weight=out.weight, aux=aux
     )
+
+
+class ModuleTensors(dict[str, torch.Tensor]):
+    """The module's own parameters, standing for ``state.params`` (same storage)."""
+
+
+_MODULE_PARAMS: weakref.WeakKeyDictionary[Any, tuple[Any, ...]] = weakref.WeakKeyDictionary()
+
+
+def module_tensors(state: TrainState) -> ModuleTensors | None:
+    """The module's own parameters when the state's tensors are still the module's.
+
+    A donated state shares storage with its module (``TrainState.create`` takes no
+    copy and donating steps update in place). Then the module can run as it is, and
+    ``torch.autograd.grad`` can differentiate its own parameters: the same graph and
+    numbers as ``functional_call`` without swapping every tensor in and out on every
+    call, which costs more than the arithmetic of a small model. Any state whose
+    tensors are not the module's (copying semantics, a loaded checkpoint) gets ``None``
+    and goes through ``functional_call``.
+    """
+    if not _IN_PLACE.get():
+        return None
+    module = state.module
+    cached = _MODULE_PARAMS.get(module)
+    if cached is None:
+        named: dict[str, torch.Tensor] = dict(module.named_parameters())
+        tensors = dict(named)
+        tensors.update(module.named_buffers())
+        cached = (named, tensors)
+        _MODULE_PARAMS[module] = cached
+    named, tensors = cached
+    for group in (state.params, state.buffers):
+        for k, t in group.items():
+            m = tensors.get(k)
+            if m is None or m.data_ptr() != t.data_ptr() or m.shape != t.shape:
+                return None
+    out = ModuleTensors()
+    for k in state.params:
+        p = named.get(k)
+        if p is None or not p.requires_grad:
+            return None
+        out[k] = p
+    return out
 
 
 class Reduction(Protocol):
@@ -634,7 +686,7 @@ def _reuse(old: Any, new: Any, dst: list[torch.Tensor], src: list[torch.Tensor])
         return {k: _reuse(old[k], v, dst, src) if k in old else v for k, v in new.items()}
     if isinstance(new, struct.Record) and type(old) is type(new):
         changes = {}
-        for f in dataclasses.fields(new):
+        for f in dataclasses.fields(new):  # type: ignore[arg-type]
             if f.metadata.get("fasttorch_static", False):
                 continue
             a, b = getattr(old, f.name), getattr(new, f.name)

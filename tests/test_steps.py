@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from reference import BatchNormNet, LayerNormNet, batches, mse
@@ -226,3 +228,57 @@ def test_module_left_in_eval_mode_is_trained_in_train_mode():
     model.eval()
     state, _ = fasttorch.step(mse)(state, batches(1, 8)[0])
     assert int(state.buffers["bn.num_batches_tracked"]) == 1
+
+
+def test_calling_the_module_directly_gives_the_same_bits_as_functional_call():
+    """A donated state shares storage with its module, so eager steps call the module
+    as is; copying semantics (and any state whose tensors are not the module's) go
+    through functional_call. Both must give identical results."""
+    from fasttorch import steps
+
+    calls = []
+    real = steps.module_tensors
+
+    def spy(state):
+        out = real(state)
+        calls.append(out is not None)
+        return out
+
+    for model in (LayerNormNet(), BatchNormNet()):
+        torch.manual_seed(0)
+        states = [
+            fasttorch.TrainState.create(copy.deepcopy(model), fasttorch.optim.adamw(1e-2))
+            for _ in range(2)
+        ]
+        donating = fasttorch.clip_scaled(fasttorch.grad_accumulate(fasttorch.step(mse), 2), 1.0)
+        copying = fasttorch.clip_scaled(
+            fasttorch.grad_accumulate(fasttorch.step(mse, donate=False), 2), 1.0
+        )
+        steps.module_tensors = spy
+        try:
+            for b in batches(4, 16):
+                calls.clear()
+                states[0], _ = donating(states[0], b)
+                assert calls and all(calls)  # the module's own tensors were used
+                calls.clear()
+                states[1], _ = copying(states[1], b)
+                assert calls and not any(calls)  # functional_call
+        finally:
+            steps.module_tensors = real
+        for a, c in zip(
+            torch.utils._pytree.tree_leaves(
+                (states[0].params, states[0].buffers, states[0].opt_state)
+            ),
+            torch.utils._pytree.tree_leaves(
+                (states[1].params, states[1].buffers, states[1].opt_state)
+            ),
+        ):
+            assert torch.equal(a, c)
+    # Tensors that are no longer the module's (here: copies) fall back to functional_call.
+    token = steps._IN_PLACE.set(True)
+    try:
+        assert steps.module_tensors(states[0]) is not None
+        moved = states[0].replace(params={k: v.clone() for k, v in states[0].params.items()})
+        assert steps.module_tensors(moved) is None
+    finally:
+        steps._IN_PLACE.reset(token)
