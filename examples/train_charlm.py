@@ -14,7 +14,17 @@ The data is text every Python installation ships: the ``.py`` files of the stand
 library (``sysconfig.get_paths()["stdlib"]``), read in sorted order up to
 ``--max-bytes``, with a byte-level vocabulary of the bytes that occur and the last
 ``--val-fraction`` held out. Metrics are read back (``float(...)``) only every
-``--log-every`` steps: that is the loop's only host sync.
+``--log-every`` steps, by a ``fasttorch.loop.Progress`` line: that is the loop's only
+host sync besides evaluation.
+
+Around the loop: the held-out loss on a fixed set of batches every ``--eval-every``
+steps (``fasttorch.eval_step``, compiled when the step is; with ``--ema DECAY`` also on
+the weights' moving average from ``fasttorch.ema``), background checkpoints every
+``--ckpt-every`` steps (``fasttorch.checkpoint.async_save``, with the batch sampler's
+generator state as ``data``, so ``--resume`` continues bit for bit), a few steps traced
+by ``fasttorch.profiled`` with ``--profile DIR``, and at the end ``loss.svg`` and
+``summary.json`` in ``--out``. Under torchrun only rank 0 prints and writes those files;
+checkpoints are written by all ranks together.
 
 Run ``python examples/train_charlm.py --help`` for the flags; the defaults finish in
 about two minutes on two CPU cores, torch.compile included.
@@ -31,21 +41,27 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import json
 import math
+import resource
 import sys
 import sysconfig
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
+from xml.sax.saxutils import escape
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 import fasttorch
-from fasttorch import schedules
+from fasttorch import checkpoint, schedules
 from fasttorch.distributed import replicate, setup, sync_on_last
+from fasttorch.evaluation import evaluate
+from fasttorch.loop import Progress, every, memory_bytes
+from fasttorch.transforms.profiled import Profiled
 
 Batch = tuple[Tensor, Tensor]
 
@@ -172,7 +188,8 @@ class Block(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         y = y.transpose(1, 2).reshape(b, t, c)
         x = x + self.resid_drop(self.proj(y))
-        return x + self.mlp(self.ln2(x))
+        out: Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class CharGPT(nn.Module):
@@ -224,6 +241,9 @@ class CharGPT(nn.Module):
 
 # --------------------------------------------------------------------------- training
 
+StepFn = Callable[[fasttorch.TrainState, Batch], tuple[fasttorch.TrainState, dict[str, Any]]]
+EvalFn = Callable[[fasttorch.TrainState, Batch], dict[str, Tensor]]
+
 
 def loss_fn(apply: Callable[..., Tensor], batch: Batch) -> Tensor:
     """Mean next-token cross-entropy, in float32 whatever the autocast dtype."""
@@ -233,9 +253,18 @@ def loss_fn(apply: Callable[..., Tensor], batch: Batch) -> Tensor:
 
 
 def build_step(
-    precision: str, accum: int, clip: float, compile: bool, world: int = 1
-) -> Callable[[fasttorch.TrainState, Batch], tuple[fasttorch.TrainState, dict[str, Any]]]:
-    """The composed training step: amp, accumulation, data parallel, clipping, compile."""
+    precision: str,
+    accum: int,
+    clip: float,
+    compile: bool,
+    world: int = 1,
+    ema: float | None = None,
+) -> tuple[fasttorch.Step, StepFn]:
+    """The composed training step: amp, accumulation, data parallel, clipping, EMA, compile.
+
+    Returns the step before ``compiled`` (for ``init`` and ``eval_step``) and the step to
+    call.
+    """
     step = fasttorch.step(loss_fn)
     if precision != "fp32":
         step = fasttorch.with_amp(step, cast(Literal["bf16", "fp16", "auto"], precision))
@@ -243,24 +272,161 @@ def build_step(
     if world > 1:  # under torchrun: average the gradients of each window across ranks
         step = sync_on_last(step)
     step = fasttorch.clip_scaled(step, clip)
-    if compile:
-        step = fasttorch.compiled(step)
-    return step
+    if ema is not None:  # a moving average of the weights, updated inside the step
+        step = fasttorch.ema(step, ema)
+    return step, (fasttorch.compiled(step) if compile else step)
 
 
-@torch.no_grad()
-def evaluate(state: fasttorch.TrainState, batches: Batches, n: int) -> float:
-    """Mean loss of ``state`` on ``n`` batches, through ``state.apply`` in eval mode."""
-    module = state.module
-    module.eval()  # state.apply runs the module in whatever mode it is in
-    try:
-        total = torch.zeros((), device=state.device)
-        for _ in range(n):
-            x, y = batches()
-            total += F.cross_entropy(state.apply(x).flatten(0, 1).float(), y.flatten())
-        return float(total) / n
-    finally:
-        module.train()
+def build_eval(base: fasttorch.Step, compile: bool, use_ema: bool = False) -> EvalFn:
+    """The held-out loss of one batch: the step's forward (same autocast), no autograd,
+    eval mode (dropout off); compiled when the training step is."""
+    fn = fasttorch.eval_step(base, use_ema=use_ema)
+    return cast(EvalFn, fasttorch.compiled(fn)) if compile else fn
+
+
+def held_out(fn: EvalFn, state: fasttorch.TrainState, batches: list[Batch], world: int) -> float:
+    """Mean loss over the fixed held-out batches; under torchrun each rank holds its rows of
+    every batch (equal shares), so the mean of the ranks' means is the global mean."""
+    loss = evaluate(fn, state, batches)["loss"]
+    if world > 1:
+        loss = loss.clone()
+        torch.distributed.all_reduce(loss)  # SUM: gloo has no AVG
+        loss /= world
+    return float(loss)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak CUDA memory allocated on a GPU; on a CPU, the process's peak resident set."""
+    if device.type == "cuda":
+        return memory_bytes(device)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return max(memory_bytes(device), rss if sys.platform == "darwin" else rss * 1024)
+
+
+class Bar(Progress):
+    """``fasttorch.loop.Progress`` (a ``\\r``-rewritten line on a terminal, one line per
+    display otherwise) with this job's line: 4-decimal losses, the log window's mean loss,
+    gradient norm, and steps/s that leave out compilation, evaluation and checkpointing.
+
+    The line keeps the shape ``step N/TOTAL | loss X | ...`` that the tests parse.
+    """
+
+    def __init__(self, total: int, *, precision: str, start: int, compiles: bool) -> None:
+        super().__init__(total, precision=precision)
+        self.since = (self.clock(), start)  # the rate counts from here
+        self.compiles = compiles
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` of non-training work (evaluation, checkpoint) out of the rate."""
+        t0, n0 = self.since
+        self.since = (t0 + seconds, n0)
+
+    def show(self, done: int, metrics: dict[str, Any], first_step_s: float | None) -> None:
+        """Display the line after ``done`` steps (reads the metrics: a host sync)."""
+        now = self.clock()
+        t0, n0 = self.since
+        self.since = (now, done)
+        if first_step_s is not None:
+            speed = f"first step {first_step_s:.1f} s" + (" (compiles)" if self.compiles else "")
+        else:
+            speed = f"{(done - n0) / (now - t0) if now > t0 else math.inf:.2f} steps/s"
+        parts = [
+            f"step {done:5d}/{self.total}",
+            f"loss {float(metrics['loss']):.4f} (mean {metrics['mean']:.4f})",
+            f"lr {float(metrics['lr']):.2e}",
+            str(self.precision),
+        ]
+        if "loss_scale" in metrics:
+            parts.append(f"scale {float(metrics['loss_scale']):g}")
+        parts += [
+            f"grad norm {float(metrics['grad_norm']):.3f}",
+            speed,
+            f"mem {memory_bytes(metrics['loss'].device) / 2**30:.2f} GiB",
+        ]
+        self.write(" | ".join(parts))
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    """Round tick values covering ``[lo, hi]``, about ``n`` of them."""
+    span = hi - lo if hi > lo else max(abs(hi), 1.0)
+    raw = span / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw * (1 - 1e-9))
+    first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
+    if last <= first:
+        last = first + 1
+    return [round(i * step, 10) for i in range(first, last + 1)]
+
+
+def loss_svg(curves: dict[str, list[list[float]]], total_steps: int, title: str) -> str:
+    """A loss-curve chart as an SVG document, written by hand (no plotting dependency).
+
+    ``curves`` maps a label to ``[step, loss]`` points; the ``train`` curve is a line,
+    the others lines with a marker on each point.
+    """
+    w, h, left, right, top, bottom = 720, 420, 64, 20, 40, 52
+    pw, ph = w - left - right, h - top - bottom
+    points = [p for pts in curves.values() for p in pts if math.isfinite(p[1])]
+    ys = [p[1] for p in points] or [0.0, 1.0]
+    yt = _ticks(min(ys), max(ys))
+    xt = _ticks(0, max(total_steps, 1))
+    x0, x1, y0, y1 = xt[0], xt[-1], yt[0], yt[-1]
+
+    def sx(x: float) -> float:
+        return left + (x - x0) / (x1 - x0) * pw
+
+    def sy(y: float) -> float:
+        return top + (1 - (y - y0) / (y1 - y0)) * ph
+
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+        f'viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">',
+        f'<rect width="{w}" height="{h}" fill="white"/>',
+        f'<text x="{w / 2}" y="22" text-anchor="middle" font-size="14">{escape(title)}</text>',
+    ]
+    for t in yt:
+        y = sy(t)
+        out.append(
+            f'<line x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" stroke="#e5e5e5"/>'
+        )
+        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{t:g}</text>')
+    for t in xt:
+        x = sx(t)
+        out.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{top + ph}" stroke="#e5e5e5"/>')
+        out.append(f'<text x="{x:.1f}" y="{top + ph + 18}" text-anchor="middle">{t:g}</text>')
+    out += [
+        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>',
+        f'<text x="{left + pw / 2}" y="{h - 10}" text-anchor="middle">optimizer step</text>',
+        f'<text transform="translate(16 {top + ph / 2}) rotate(-90)" text-anchor="middle">'
+        "loss (nats per byte)</text>",
+    ]
+    colors = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
+    for i, (label, pts) in enumerate(curves.items()):
+        color = colors[i % len(colors)]
+        xy = [(sx(x), sy(y)) for x, y in pts if math.isfinite(y)]
+        if not xy:
+            continue
+        path = " ".join(f"{x:.1f},{y:.1f}" for x, y in xy)
+        dash = "" if i == 0 else ' stroke-dasharray="6 3"'
+        out.append(
+            f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"{dash}/>'
+        )
+        if i > 0:
+            out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>' for x, y in xy]
+        ly = top + 16 + 18 * i
+        out.append(
+            f'<line x1="{left + pw - 150}" y1="{ly}" x2="{left + pw - 126}" y2="{ly}" '
+            f'stroke="{color}" stroke-width="2"/>'
+        )
+        out.append(f'<text x="{left + pw - 120}" y="{ly + 4}">{escape(label)}</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+# --------------------------------------------------------------------------- flags
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -293,11 +459,48 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps // 10)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
+    p.add_argument(
+        "--ema",
+        type=float,
+        default=None,
+        metavar="DECAY",
+        help="keep an EMA of the weights (fasttorch.ema) and evaluate it too",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=20)
-    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=50,
+        metavar="K",
+        help="held-out loss every K steps (and before and after training); 0: only then",
+    )
+    p.add_argument("--eval-batches", type=int, default=8, help="held-out batches per eval")
     p.add_argument("--max-bytes", type=int, default=2_000_000, help="stdlib bytes to read")
     p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--ckpt-dir", default=None, metavar="DIR", help="write checkpoints here")
+    p.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="checkpoint every K steps (always at the end); 0: only at the end",
+    )
+    p.add_argument("--ckpt-keep", type=int, default=3, help="newest checkpoints kept")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --ckpt-dir (start fresh if none)",
+    )
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="trace steps 3-5 with torch.profiler (fasttorch.profiled) into DIR",
+    )
+    p.add_argument(
+        "--out", default="runs/charlm", metavar="DIR", help="loss.svg and summary.json go here"
+    )
     p.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device"
     )
@@ -312,17 +515,26 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--batch-size {args.batch_size} must be a multiple of --accum {args.accum}")
     if args.threads is not None and args.threads < 1:
         p.error("--threads must be >= 1")
-    if args.log_every < 1 or args.eval_batches < 1:
-        p.error("--log-every and --eval-batches must be >= 1")
+    if args.log_every < 1 or args.eval_batches < 1 or args.ckpt_keep < 1:
+        p.error("--log-every, --eval-batches and --ckpt-keep must be >= 1")
+    if args.eval_every < 0 or args.ckpt_every < 0:
+        p.error("--eval-every and --ckpt-every must be >= 0")
     if not 0.0 < args.val_fraction < 1.0:
         p.error("--val-fraction must be in (0, 1)")
+    if args.ema is not None and not 0.0 <= args.ema < 1.0:
+        p.error("--ema must be in [0, 1) (0.99 or 0.999 are common)")
+    if (args.resume or args.ckpt_every) and args.ckpt_dir is None:
+        p.error("--resume and --ckpt-every need --ckpt-dir")
     if args.warmup is None:
         args.warmup = max(1, args.steps // 10)
     return args
 
 
+# --------------------------------------------------------------------------- main
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Train, print progress, and return the summary numbers."""
+    """Train, print progress, write ``loss.svg`` and ``summary.json``; return the summary."""
     t_start = time.perf_counter()
     args = parse_args(argv)
     # Under torchrun this joins the process group (gloo on CPU, NCCL on GPU); alone, a no-op.
@@ -334,6 +546,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
+    say = print if rank == 0 else _quiet  # only rank 0 prints and writes files
 
     # Data: the stdlib's source, byte-level vocabulary, the tail held out.
     raw, n_files = stdlib_source(args.max_bytes)
@@ -342,7 +555,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     n_val = max(int(len(tokens) * args.val_fraction), args.block_size + 2)
     train_tokens, val_tokens = tokens[:-n_val], tokens[-n_val:]
     train_batches = Batches(train_tokens, args.block_size, args.batch_size, args.seed, rank, world)
-    val_batches = Batches(val_tokens, args.block_size, args.batch_size, args.seed + 1)
+    # A fixed held-out set, drawn once: every evaluation scores the same windows.
+    val_draw = Batches(val_tokens, args.block_size, args.batch_size, args.seed + 1, rank, world)
+    val_set = [val_draw() for _ in range(args.eval_batches)]
 
     model = CharGPT(
         len(vocab),
@@ -365,8 +580,29 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     state = fasttorch.TrainState.create(model, optimizer, seed=args.seed)
     if world > 1:
         state = replicate(state)  # rank 0's weights everywhere, a dropout stream per rank
-    step = build_step(args.precision, args.accum, args.clip, not args.no_compile, world)
-    say = print if rank == 0 else _quiet
+    compile = not args.no_compile
+    base, step = build_step(args.precision, args.accum, args.clip, compile, world, args.ema)
+    state = base.init(state)  # add the transforms' sub-states now: a checkpoint's template
+    evals = {"held-out": build_eval(base, compile)}
+    if args.ema is not None:
+        evals["held-out EMA"] = build_eval(base, compile, use_ema=True)
+
+    # Resume: the newest complete checkpoint, with the data position saved beside it.
+    history: dict[str, Any] = {"train": [], **{name: [] for name in evals}}
+    start, resumed_from, path = 0, None, None
+    if args.resume:
+        path = checkpoint.latest(args.ckpt_dir)
+        if path is not None:
+            state, data = checkpoint.load(path, state, inplace=True)
+            train_batches.gen.set_state(data["batches"])
+            history = data["history"]
+            start = resumed_from = int(state.step)
+            if start != data["step"]:
+                raise SystemExit(f"{path}: state step {start} != data position {data['step']}")
+    prof: Profiled | None = None
+    if args.profile is not None and rank == 0:
+        # Skip one call (it compiles), warm up one, record three; stops by itself.
+        step = prof = fasttorch.profiled(step, dir=args.profile)
 
     say(
         f"device {device} | torch {torch.__version__} | fasttorch {fasttorch.__version__} | "
@@ -382,71 +618,99 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"{'untied' if args.untied_head else 'tied'} head"
     )
     say(
-        f"step: precision {args.precision}, batch {args.batch_size} = {args.accum} x "
-        f"{args.batch_size // args.accum}, clip {args.clip}, "
-        f"{'eager' if args.no_compile else 'compiled (inductor)'} | {args.steps} steps, "
-        f"lr {args.lr:g} (warm-up {warmup}, cosine to {args.min_lr:g})"
+        f"step: {' -> '.join(base.transforms)}{' -> compiled' if compile else ''} | "
+        f"precision {args.precision}, batch {args.batch_size} = {args.accum} x "
+        f"{args.batch_size // args.accum}, clip {args.clip}"
+        + (f", ema {args.ema:g}" if args.ema is not None else "")
+        + f" | {args.steps} steps, lr {args.lr:g} (warm-up {warmup}, cosine to {args.min_lr:g})"
     )
-    val_initial = evaluate(state, val_batches, args.eval_batches)
-    say(f"held-out loss before training {val_initial:.4f} (uniform: {math.log(len(vocab)):.4f})")
+    if resumed_from is not None:
+        say(f"resumed from {path} at step {start}")
+    if start == 0:
+        for name, fn in evals.items():
+            history[name].append([0, held_out(fn, state, val_set, world)])
+        history["val_initial"] = history["held-out"][0][1]
+        say(
+            f"held-out loss before training {history['val_initial']:.4f} "
+            f"(uniform: {math.log(len(vocab)):.4f})"
+        )
 
+    bar = None
+    if rank == 0:
+        bar = Bar(args.steps, precision=args.precision, start=start, compiles=compile)
+    log_due, eval_due = every(args.log_every), every(args.eval_every or args.steps + 1)
+    ckpt_due = every(args.ckpt_every or args.steps + 1)
+    pending: checkpoint.SaveHandle | None = None
     t_train = time.perf_counter()
-    compile_s = 0.0
-    initial_loss = math.nan
+    compile_s = eval_s = ckpt_s = 0.0
     loss = math.nan
-    skipped = 0
     window_loss = torch.zeros((), device=device)  # summed on device: no sync per step
     window_skipped = torch.zeros((), dtype=torch.int64, device=device)
-    t_log = t_train
-    last_log = 0
-    for it in range(args.steps):
+    last_log = start
+    history.setdefault("skipped", 0)
+    for it in range(start, args.steps):
         state, metrics = step(state, train_batches())
         window_loss += metrics["loss"].detach().float()
         if "skipped" in metrics:
             window_skipped += metrics["skipped"]
-        last = it == args.steps - 1
-        if it == 0 or (it + 1) % args.log_every == 0 or last:
-            # The only host sync of the loop: read this window's metrics back.
-            n_window = it + 1 - last_log
+        done, first, last = it + 1, it == start, it + 1 == args.steps
+        if first or last or log_due(it):
+            # The loop's only host sync: read this window's metrics back.
             loss = float(metrics["loss"])
-            mean_loss = float(window_loss) / n_window
-            skipped += int(window_skipped)
-            now = time.perf_counter()
-            if it == 0:
-                initial_loss = loss
-                compile_s = now - t_train
-                speed = f"first step {compile_s:.1f} s" + (
-                    " (compiles)" if not args.no_compile else ""
-                )
-            else:
-                speed = f"{n_window / (now - t_log):.2f} steps/s"
-            extra = f" | scale {float(metrics['loss_scale']):g}" if "loss_scale" in metrics else ""
-            say(
-                f"step {it + 1:5d} | loss {loss:.4f} (mean {mean_loss:.4f}) | "
-                f"lr {float(metrics['lr']):.2e} | grad norm {float(metrics['grad_norm']):.3f} | "
-                f"{speed}{extra}"
-            )
+            mean_loss = float(window_loss) / (done - last_log)
+            history["skipped"] += int(window_skipped)
+            if first:
+                compile_s = time.perf_counter() - t_train
+                history.setdefault("initial_loss", loss)
+            history["train"].append([done, mean_loss])
+            if bar is not None:
+                bar.show(done, {**metrics, "mean": mean_loss}, compile_s if first else None)
             window_loss.zero_()
             window_skipped.zero_()
-            t_log, last_log = now, it + 1
+            last_log = done
+        if last or eval_due(it):
+            t0 = time.perf_counter()
+            values = {name: held_out(fn, state, val_set, world) for name, fn in evals.items()}
+            for name, value in values.items():
+                history[name].append([done, value])
+            dt = time.perf_counter() - t0
+            eval_s += dt
+            if bar is not None:
+                bar.exclude(dt)
+                bar.close()  # end a terminal's progress line before a line of its own
+            say(f"eval  {done:5d} | " + " | ".join(f"{k} loss {v:.4f}" for k, v in values.items()))
+        if args.ckpt_dir is not None and (last or ckpt_due(it)):
+            # Collective under torchrun (every rank calls it); the state is copied to CPU
+            # memory first, then written in a background thread while training goes on.
+            t0 = time.perf_counter()
+            position = {"batches": train_batches.gen.get_state(), "step": done}
+            pending = checkpoint.async_save(
+                args.ckpt_dir,
+                state,
+                data={**position, "history": history},
+                keep_last=args.ckpt_keep,
+            )
+            dt = time.perf_counter() - t0
+            ckpt_s += dt
+            if bar is not None:
+                bar.exclude(dt)
     t_end = time.perf_counter()
-    steady_steps = args.steps - 1
-    train_after_first = t_end - t_train - compile_s
-    steps_per_s = steady_steps / train_after_first if steady_steps else math.nan
+    if bar is not None:
+        bar.close()
+    if prof is not None:
+        prof.stop()  # writes the window being recorded if the run was shorter than it
+    saved = str(pending.wait()) if pending is not None else None  # the last save completes
 
-    val_final = evaluate(state, val_batches, args.eval_batches)
+    ran = args.steps - start
+    steady_steps = ran - 1
+    steady_s = t_end - t_train - compile_s - eval_s - ckpt_s
+    steps_per_s = steady_steps / steady_s if steady_steps > 0 else math.nan
+    tokens_per_s = steps_per_s * args.batch_size * args.block_size
+    peak = peak_memory_bytes(device)
     wall_s = time.perf_counter() - t_start
-    say(
-        f"train loss {initial_loss:.4f} -> {loss:.4f} | held-out loss {val_initial:.4f} -> "
-        f"{val_final:.4f} | skipped steps {skipped}"
-    )
-    say(
-        f"wall {wall_s:.1f} s | first step {compile_s:.1f} s | "
-        f"{steps_per_s:.2f} steps/s after it ({steady_steps} steps in {train_after_first:.1f} s)"
-    )
-    if world > 1:
-        torch.distributed.destroy_process_group()
-    return {
+    val_final = history["held-out"][-1][1] if history["held-out"] else math.nan
+    ema_final = history["held-out EMA"][-1][1] if args.ema is not None else None
+    summary: dict[str, Any] = {
         "device": str(device),
         "world": world,
         "torch": torch.__version__,
@@ -454,15 +718,48 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "data_bytes": len(raw),
         "vocab_size": len(vocab),
         "steps": args.steps,
-        "initial_loss": initial_loss,
+        "resumed_from": resumed_from,
+        "initial_loss": history.get("initial_loss", math.nan),
         "final_loss": loss,
-        "val_loss_initial": val_initial,
+        "val_loss_initial": history.get("val_initial", math.nan),
         "val_loss": val_final,
-        "skipped_steps": skipped,
+        "val_loss_ema": ema_final,
+        "skipped_steps": history["skipped"],
         "compile_s": compile_s,
+        "eval_s": eval_s,
         "steps_per_s": steps_per_s,
+        "tokens_per_s": tokens_per_s,
         "wall_s": wall_s,
+        "peak_memory_bytes": peak,
+        "checkpoint": saved,
     }
+    say(
+        f"train loss {summary['initial_loss']:.4f} -> {loss:.4f} | held-out loss "
+        f"{summary['val_loss_initial']:.4f} -> {val_final:.4f}"
+        + (f" (EMA {ema_final:.4f})" if ema_final is not None else "")
+        + f" | skipped steps {history['skipped']}"
+    )
+    say(
+        f"wall {wall_s:.1f} s | first step {compile_s:.1f} s | {steps_per_s:.2f} steps/s, "
+        f"{tokens_per_s:,.0f} tokens/s after it ({steady_steps} steps in {steady_s:.1f} s; "
+        f"eval {eval_s:.1f} s) | peak mem {peak / 2**30:.2f} GiB"
+    )
+    if prof is not None:
+        say(f"profile: {prof.calls} steps profiled, traces in {args.profile}")
+    if saved is not None:
+        say(f"checkpoint: {saved}")
+    if rank == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        curves = {"train (mean per log window)": history["train"]}
+        curves.update({name: history[name] for name in evals})
+        title = f"char-level GPT on the stdlib, {n_params / 1e6:.2f}M params, {args.precision}"
+        (out / "loss.svg").write_text(loss_svg(curves, args.steps, title))
+        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        say(f"wrote {out / 'loss.svg'} and {out / 'summary.json'}")
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    return summary
 
 
 def _quiet(*args: Any, **kwargs: Any) -> None:

@@ -21,6 +21,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import types
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, TypeAlias
@@ -166,7 +167,7 @@ def step(loss_fn: LossFn, *, donate: bool = True) -> Step:
     ``loss_fn(apply, batch)`` gets ``apply``, the model's forward with the state's
     parameters (``torch.func.functional_call``), and the batch; it returns the mean loss
     (a 0-d tensor), a ``(loss, aux)`` pair, or a :class:`Loss`. The step computes the
-    gradients with ``torch.func.grad_and_value``, updates with the state's optimizer,
+    gradients with ``torch.autograd.grad``, updates with the state's optimizer,
     and returns the new state and metrics (``loss``, ``grad_norm``, ``lr`` as tensors).
 
     Equivalent to the plain PyTorch loop body::
@@ -638,13 +639,39 @@ def _synced_last(
     return new, metrics, fresh, g.weight
 
 
+def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a function or bound method) over a fresh copy of its code object."""
+    target = getattr(fn, "__func__", fn)
+    if not isinstance(target, types.FunctionType):
+        return fn
+    copy = types.FunctionType(
+        target.__code__.replace(),
+        target.__globals__,
+        target.__name__,
+        target.__defaults__,
+        target.__closure__,
+    )
+    copy.__kwdefaults__ = target.__kwdefaults__
+    copy.__qualname__ = target.__qualname__
+    copy.__dict__.update(target.__dict__)
+    if target is not fn:  # a bound method
+        return types.MethodType(copy, fn.__self__)  # type: ignore[attr-defined]
+    return copy
+
+
 def _identity(f: Callable[..., Any]) -> Callable[..., Any]:
     return f
 
 
 def compile_step_fn(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
-    """``torch.compile(fn)``, called with dynamo allowed to trace ``torch.autograd.grad``."""
-    compiled_fn = torch.compile(fn, **options)
+    """``torch.compile(fn)``, called with dynamo allowed to trace ``torch.autograd.grad``.
+
+    ``fn`` gets a code object of its own first: dynamo caches compiled graphs per code
+    object, and every step's kernels share the same source, so without a copy each
+    further compiled step in a process would count as a recompile of the first one (and
+    with ``fullgraph=True`` the ninth would fail on dynamo's recompile limit).
+    """
+    compiled_fn = torch.compile(own_code(fn), **options)
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:

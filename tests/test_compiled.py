@@ -119,3 +119,18 @@ def test_graph_break_in_a_loss_function_is_an_error_by_default():
     state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.sgd(0.1))
     with pytest.raises(Exception, match="(?i)graph.break"):
         fasttorch.compiled(fasttorch.step(breaks), backend="aot_eager")(state, batches(1, 8)[0])
+
+
+def test_many_different_compiled_steps_in_one_process_do_not_recompile():
+    """Dynamo caches per code object and every step's kernels share their source; each
+    compiled step gets its own copy, or the ninth would hit the recompile limit (a hard
+    failure with fullgraph=True)."""
+    limit = torch._dynamo.config.recompile_limit
+    for depth in range(1, limit + 3):
+        model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(depth)])
+        state = fasttorch.TrainState.create(model, fasttorch.optim.sgd(0.1))
+        step = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+        for _ in range(2):
+            state, _ = step(state, (torch.randn(8, 4), torch.randn(8, 4)))
+    assert sum(counters["recompiles"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == limit + 2

@@ -139,7 +139,7 @@ def test_without_a_process_group_the_error_says_how_to_start_one():
         sync_on_last(fasttorch.step(mse))(state, (torch.randn(4, 8), torch.randn(4, 4)))
 
 
-def test_the_example_on_two_ranks_matches_one_process():
+def test_the_example_on_two_ranks_matches_one_process(tmp_path):
     """The main job's data-parallel mode sees the single-process batches and updates."""
     args = [
         "--steps",
@@ -165,6 +165,8 @@ def test_the_example_on_two_ranks_matches_one_process():
         "1",
         "--threads",
         "1",
+        "--out",
+        str(tmp_path),
     ]
     example = str(HERE.parent / "examples" / "train_charlm.py")
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
@@ -178,7 +180,7 @@ def test_the_example_on_two_ranks_matches_one_process():
         )
         assert out.returncode == 0, out.stderr[-3000:]
         runs.append(
-            [float(x) for x in re.findall(r"^step +\d+ \| loss ([\d.]+)", out.stdout, re.M)]
+            [float(x) for x in re.findall(r"^step +\d+/\d+ \| loss ([\d.]+)", out.stdout, re.M)]
         )
     single, parallel = runs
     assert len(single) == len(parallel) == 6
