@@ -558,6 +558,34 @@ class _Kernels:
         # (its backward hooks launch collectives), then the update is one graph.
         self.forward = wrap(step.loss)
         self.apply = wrap(self._apply)
+        self._scratch: AccumState | None = None
+
+    def scratch_window(
+        self, params: Mapping[str, torch.Tensor], device: torch.device
+    ) -> AccumState:
+        """A zeroed window for accumulation within one call, reused from call to call.
+
+        A scratch buffer, not state: zeroing it is a memset, where fresh multi-MB
+        tensors on every call cost page faults.
+        """
+        w = self._scratch
+        if (
+            w is None
+            or any(
+                k not in w.grads
+                or w.grads[k].shape != p.shape
+                or w.grads[k].dtype != p.dtype
+                or w.grads[k].device != p.device
+                for k, p in params.items()
+            )
+            or len(w.grads) != len(params)
+        ):
+            w = self._scratch = empty_window(params, device)
+            return w
+        torch._foreach_zero_(list(w.grads.values()))
+        w.weight.zero_()
+        w.value.zero_()
+        return w
 
     def _full(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         s = self.step
@@ -749,7 +777,7 @@ def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metri
                 new, metrics, _, _ = last(state, None, batch, 1, False)
             elif not acc_cfg.across_calls:
                 micro = split(batch, acc_cfg.n, step.name)
-                acc = empty_window(state.params, device)
+                acc = k.scratch_window(state.params, device)
                 aux_sum: Any = None
                 for mb in micro[:-1]:
                     acc, g = k.micro(state, acc, mb, acc_cfg.n, True)

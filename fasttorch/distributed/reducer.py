@@ -41,8 +41,33 @@ class SyncConfig:
     group: Any = None
     bucket_mb: float = attrs.field(default=25.0, validator=attrs.validators.gt(0.0))
     timeout: datetime.timedelta = datetime.timedelta(minutes=5)
-    # Layouts by parameter signature; a memo, not training state.
+    # Layouts by parameter signature, and the bucket buffers reused window after window
+    # (fresh multi-MB buffers each step cost page faults): memos, not training state.
     _layouts: dict[Any, list[list[str]]] = attrs.field(factory=dict, eq=False, repr=False)
+    _buffers: dict[Any, list[torch.Tensor]] = attrs.field(factory=dict, eq=False, repr=False)
+
+    def bucket_buffers(
+        self, names: list[list[str]], params: Mapping[str, torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """One flat buffer per bucket, allocated once per layout."""
+        key = (
+            tuple(tuple(b) for b in names),
+            tuple(
+                (tuple(params[k].shape), params[k].dtype, params[k].device)
+                for b in names
+                for k in b
+            ),
+        )
+        if key not in self._buffers:
+            self._buffers[key] = [
+                torch.empty(
+                    sum(params[k].numel() for k in b),
+                    dtype=params[b[0]].dtype,
+                    device=params[b[0]].device,
+                )
+                for b in names
+            ]
+        return self._buffers[key]
 
     def buckets(self, params: Mapping[str, torch.Tensor]) -> list[list[str]]:
         """Parameter names per bucket, in launch order (deterministic on every rank)."""
@@ -129,10 +154,10 @@ class WindowReduction:
     def _flat(self, i: int) -> torch.Tensor:
         flat = self.flats[i]
         if flat is None:
-            ps = [self.params[k] for k in self.names[i]]
-            flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
+            flat = self.config.bucket_buffers(self.names, self.params)[i]
             offset = 0
-            for k, p in zip(self.names[i], ps):
+            for k in self.names[i]:
+                p = self.params[k]
                 self.slots[k] = flat[offset : offset + p.numel()].view_as(p)
                 offset += p.numel()
             self.flats[i] = flat
@@ -144,11 +169,12 @@ class WindowReduction:
         i = self.bucket_of[name]
         self._flat(i)
         assert self.weight is not None
-        # The gradient of (mean * mult / n), times weight * n: that of (sum * mult).
-        contrib = grad * (self.weight * self.n)
+        # The gradient of (mean * mult / n), times weight * n: that of (sum * mult),
+        # written straight into its bucket slot, plus the window accumulated so far.
+        slot = self.slots[name]
+        torch.mul(grad, self.weight * self.n, out=slot)
         if self.acc is not None:
-            contrib = contrib + self.acc.grads[name]
-        self.slots[name].copy_(contrib)
+            slot.add_(self.acc.grads[name])
         self.done.add(name)
         self.filled[i] += 1
         self._launch_ready()
@@ -174,10 +200,12 @@ class WindowReduction:
             self._wait(w, timeout, f"gradient bucket {i}")
         self._check_agreement(self.counts)
         total, value = self.counts[0], self.counts[1]
-        grads: dict[str, torch.Tensor] = {}
         denom = total.to(next(iter(self.slots.values())).dtype)
-        for name in self.params:
-            grads[name] = self.slots[name] / denom
+        for flat in self.flats:
+            if flat is not None:
+                flat.div_(denom)
+        # Views into the bucket buffers: the update phase owns them until the next window.
+        grads = {name: self.slots[name] for name in self.params}
         return GradOut(
             grads=grads,
             value=(value / total).to(g.value.dtype),
