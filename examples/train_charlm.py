@@ -437,7 +437,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per optimizer step")
     p.add_argument(
-        "--accum", type=int, default=1, help="microbatches per step (divides --batch-size)"
+        "--accum", type=int, default=2, help="microbatches per step (divides --batch-size)"
     )
     p.add_argument("--block-size", type=int, default=64, help="context length in bytes")
     p.add_argument("--n-layer", type=int, default=2)
