@@ -169,7 +169,11 @@ def check_disagreeing_microbatches(rank):
     step = sync_on_last(
         fasttorch.grad_accumulate(fasttorch.step(mse), n), timeout=datetime.timedelta(seconds=20)
     )
-    state = replicate(new_state())
+    return error_of(step, replicate(new_state()), rank)
+
+
+def error_of(step, state, rank):
+    """Run one step; return the DistributedStepError it raised and how long it took."""
     t = time.monotonic()
     try:
         step(state, shard(global_batches(1)[0], rank))
@@ -185,12 +189,7 @@ def check_missing_rank_times_out(rank):
     if rank == 1:
         time.sleep(8)
         return {"error": None}
-    t = time.monotonic()
-    try:
-        step(state, shard(global_batches(1)[0], rank))
-    except DistributedStepError as e:
-        return {"error": str(e), "seconds": time.monotonic() - t}
-    return {"error": None}
+    return error_of(step, state, rank)
 
 
 CHECKS = {
