@@ -589,8 +589,7 @@ class _Kernels:
 
     def _full(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         s = self.step
-        new, metrics = s.update(state, s.grad(s.loss, state, batch, 1.0))
-        return commit(s.donate, state, new), metrics
+        return self._apply(state, s.grad(s.loss, state, batch, 1.0))
 
     def _micro(
         self, state: TrainState, acc: AccumState, batch: Batch, n: int, donate_acc: bool

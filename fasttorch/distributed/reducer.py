@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from fasttorch.steps import GradOut, Loss, Tensors
 
-__all__ = ["DistributedStepError", "Reducer", "SyncConfig", "WindowReduction"]
+__all__ = ["DistributedStepError", "SyncConfig", "WindowReduction"]
 
 
 class DistributedStepError(RuntimeError):
@@ -246,6 +246,3 @@ class WindowReduction:
                 "of microbatches. Give every rank the same grad_accumulate n and the same "
                 "number of batches"
             ) from e
-
-
-Reducer = WindowReduction
