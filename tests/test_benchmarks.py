@@ -95,3 +95,37 @@ def test_stats_doctests():
 
     result = doctest.testmod(benchmarks.stats, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_a_missed_speedup_quotes_the_bound_from_extern_kernels():
+    from benchmarks.run import targets
+    from benchmarks.stats import Summary
+    from benchmarks.worker import _is_extern
+
+    assert _is_extern("aten::mm") and _is_extern("aten::_scaled_dot_product_flash_attention")
+    assert _is_extern("aten::convolution_backward") and not _is_extern("aten::add_")
+
+    def analysis(f1_speedup: float, share: float) -> dict:
+        return {
+            "summary": {
+                "B0": Summary(1.0, 1.0, 1.0, 1.0, 3),
+                "F1": Summary(1 / f1_speedup, f1_speedup, f1_speedup, f1_speedup, 3),
+            },
+            "figures": {"B0": {"extern": share}, "F1": {}},
+        }
+
+    rows = {
+        name: (got, verdict)
+        for name, got, verdict in targets(
+            [
+                {"model": "M3", "precision": "bf16", "analysis": analysis(1.05, 0.8)},
+                {"model": "M1", "precision": "bf16", "analysis": analysis(2.5, 0.5)},
+            ],
+            gpu=False,
+        )
+    }
+    got, verdict = rows["M3: F1 >= 1.2x B0"]
+    assert (
+        verdict == "**missed**" and got == "1.05 (bound 1.25: 80% of B0 is matmul/conv/attention)"
+    )
+    assert rows["M1: F1 >= 2.0x B0"] == ("2.50", "met")  # no bound quoted when met

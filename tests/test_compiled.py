@@ -134,3 +134,36 @@ def test_many_different_compiled_steps_in_one_process_do_not_recompile():
             state, _ = step(state, (torch.randn(8, 4), torch.randn(8, 4)))
     assert sum(counters["recompiles"].values()) == 0
     assert counters["stats"]["unique_graphs"] == limit + 2
+
+
+def test_options_reach_every_kernel():
+    """torch.compile pops guard_filter_fn from its options: each kernel gets a copy."""
+    calls = []
+
+    def keep_all(entries):
+        calls.append(len(entries))
+        return [True] * len(entries)
+
+    opts = {"guard_filter_fn": keep_all}
+    step = fasttorch.compiled(
+        fasttorch.grad_accumulate(fasttorch.step(mse), 2), backend="aot_eager", options=opts
+    )
+    state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.sgd(0.1))
+    for b in batches(2, 8):
+        state, _ = step(state, b)
+    assert len(calls) == 2, "both graphs (microbatch, update) saw the filter"
+    assert opts == {"guard_filter_fn": keep_all}, "the caller's dict is left as it was"
+
+
+def test_inductor_gets_the_fusion_search_cap_unless_told_otherwise():
+    from fasttorch.steps import FUSION_ATTEMPTS, _with_fusion_cap
+
+    key = "max_fusion_buffer_group_pairwise_attempts"
+    assert _with_fusion_cap({"backend": "inductor"})["options"] == {key: FUSION_ATTEMPTS}
+    assert _with_fusion_cap({"backend": "aot_eager"}) == {"backend": "aot_eager"}
+    mine = _with_fusion_cap({"backend": "inductor", "options": {key: 64}})
+    assert mine["options"] == {key: 64}
+    # torch.compile refuses mode and options together: the mode becomes its options.
+    ro = _with_fusion_cap({"backend": "inductor", "mode": "reduce-overhead"})
+    assert "mode" not in ro and ro["options"] == {"triton.cudagraphs": True, key: FUSION_ATTEMPTS}
+    torch.compile(lambda x: x, **ro)  # accepted

@@ -149,6 +149,32 @@ def test_within_call_compiles_two_graphs():
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
 
 
+def test_the_model_is_compiled_once_with_accumulation():
+    """One graph runs the microbatch (every one of them); the other only updates."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        graphs.append(gm)
+        return gm.forward
+
+    step = fasttorch.compiled(
+        fasttorch.clip_scaled(fasttorch.grad_accumulate(fasttorch.step(mse), 4), 1.0),
+        backend=backend,
+    )
+    state = _state(fasttorch.optim.adamw(1e-2))
+    for b in batches(3, 32):
+        state, _ = step(state, b)
+
+    def count(gm: torch.fx.GraphModule, targets: tuple[object, ...]) -> int:
+        return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in targets)
+
+    model_ops = (torch._C._nn.linear, torch.nn.functional.linear, torch.nn.functional.layer_norm)
+    assert len(graphs) == 2
+    micro, close = graphs
+    assert count(micro, model_ops) > 0 and count(close, model_ops) == 0
+    assert count(close, (torch._foreach_lerp_,)) > 0 and count(micro, (torch._foreach_lerp_,)) == 0
+
+
 def test_disabled_and_bad_arguments():
     s = fasttorch.step(mse)
     assert fasttorch.grad_accumulate(s, 1) is s

@@ -27,8 +27,9 @@ def compiled(
     The step's pure functions go to ``torch.compile`` once, with ``fullgraph=True`` by
     default: a graph break is an error, not a silent slowdown. Learning rate, loss
     scale and step count are tensors in the state, so they change without recompiling.
-    With ``grad_accumulate`` two graphs are compiled (one microbatch; last microbatch
-    plus update) and reused, never one graph unrolled over the microbatches. Input
+    With ``grad_accumulate`` two graphs are compiled (one microbatch's forward and
+    backward; the window's unscale, clip and update) and reused, never one graph
+    unrolled over the microbatches, and the model's code is compiled once. Input
     checks, the RNG scope and donation stay outside the graph.
 
     ``compiled`` must be the outermost of the phase transforms. It also accepts any
