@@ -277,6 +277,9 @@ def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> G
     compiling = torch.compiler.is_compiling()
     reduction = None if compiling else _REDUCTION.get()
     direct = None if compiling else module_tensors(state)
+    into = None if compiling else _INTO_GRAD.get()
+    if into is not None and direct is not None and reduction is None:
+        return _grad_into_module(loss, state, direct, batch, mult, into)
     params: Tensors = (
         direct
         if direct is not None
@@ -296,6 +299,49 @@ def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> G
     return GradOut(
         grads=dict(zip(params, grads)), value=out.value.detach(), weight=out.weight, aux=aux
     )
+
+
+class _IntoGrad:
+    """An eager window accumulating in the module's ``.grad`` (see ``_grad_into_module``)."""
+
+    first: torch.Tensor | None = None  # the first microbatch's weight
+
+
+# Set by the driver around an eager window whose gradients accumulate in ``.grad``.
+_INTO_GRAD: contextvars.ContextVar[_IntoGrad | None] = contextvars.ContextVar(
+    "fasttorch_into_grad", default=None
+)
+
+
+def _grad_into_module(
+    loss: LossPhase,
+    state: TrainState,
+    params: ModuleTensors,
+    batch: Batch,
+    mult: Any,
+    into: _IntoGrad,
+) -> GradOut:
+    """Backward into the module's ``.grad``, as ``loss.backward()`` does; no grads returned.
+
+    ``torch.autograd.grad`` hands over all of a microbatch's gradients at once, which
+    then go into the window: one gradient set more at the peak than the plain loop,
+    whose backward adds each gradient into ``.grad`` as soon as it exists. Here the
+    engine does that. The window's gradient is ``sum_i w_i * grad(value_i) / sum_i w_i``;
+    microbatch ``i`` backpropagates ``value_i * mult * (w_i / w_1)`` (``mult`` is ``1/n``,
+    times the loss scale under fp16), and the driver divides the sum by
+    ``sum_i w_i / (n * w_1)`` at the end. With equal weights both factors are exactly 1
+    and this is the plain loop, operation for operation.
+    """
+    with torch.enable_grad():
+        out = loss(state, params, state.buffers, batch)
+        target = out.value * mult
+        if into.first is None:
+            into.first = out.weight
+        else:
+            target = target * (out.weight / into.first)
+        torch.autograd.backward(target, inputs=list(params.values()))
+    aux = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out.aux)
+    return GradOut(grads={}, value=out.value.detach(), weight=out.weight, aux=aux)
 
 
 class ModuleTensors(dict[str, torch.Tensor]):
@@ -623,20 +669,38 @@ class _Kernels:
         # ours to overwrite only when donated (it is zeroed for the next window below).
         owned = not reset or s.donate
         total = acc.weight.clone()  # the window is zeroed below when it is the state's
-        sums = list(acc.grads.values())
-        if owned:
-            torch._foreach_div_(sums, total)
-        else:
-            sums = list(torch._foreach_div(sums, total))
-        grads = dict(zip(acc.grads, sums))
-        window = GradOut(
-            grads=grads, value=acc.value / total, weight=total, aux=g.aux, scale=g.scale
-        )
-        new, metrics = s.update(state, window)
+        new, metrics = self.update_window(state, acc.grads, total, acc.value, total, g, owned)
         fresh = None
         if reset:
             fresh = commit(s.donate, acc, empty_window(acc.grads, total.device))
-        return commit(s.donate, state, new), metrics, fresh
+        return new, metrics, fresh
+
+    def update_window(
+        self,
+        state: TrainState,
+        sums: Tensors,
+        divisor: torch.Tensor,
+        value_sum: torch.Tensor,
+        total: torch.Tensor,
+        g: GradOut,
+        owned: bool,
+    ) -> tuple[TrainState, Metrics]:
+        """Update with the window's mean gradient ``sums / divisor`` (in place if owned)."""
+        s = self.step
+        ts = list(sums.values())
+        if owned:
+            torch._foreach_div_(ts, divisor)
+        else:
+            ts = list(torch._foreach_div(ts, divisor))
+        window = GradOut(
+            grads=dict(zip(sums, ts)),
+            value=value_sum / total,
+            weight=total,
+            aux=g.aux,
+            scale=g.scale,
+        )
+        new, metrics = s.update(state, window)
+        return commit(s.donate, state, new), metrics
 
     def last(
         self, state: TrainState, acc: AccumState, batch: Batch, n: int, reset: bool
@@ -832,6 +896,8 @@ def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metri
                 new, metrics = k.full(state, batch)
             elif acc_cfg is None:
                 new, metrics, _, _ = last(state, None, batch, 1, False)
+            elif not acc_cfg.across_calls and _grads_into_module(step, state):
+                new, metrics = _window_in_module(step, state, split(batch, acc_cfg.n, step.name))
             elif not acc_cfg.across_calls:
                 micro = split(batch, acc_cfg.n, step.name)
                 acc = k.scratch_window(state.params, device)
@@ -871,6 +937,59 @@ def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metri
         mark_donated(given, f"step {step.name!r}")
         if state is not given:
             mark_donated(state, f"step {step.name!r}")
+    return new, metrics
+
+
+def _grads_into_module(step: Step, state: TrainState) -> bool:
+    """Whether an eager window can accumulate in the module's own ``.grad``."""
+    return step.compile_options is None and step.sync is None and module_tensors(state) is not None
+
+
+def _window_in_module(
+    step: Step, state: TrainState, micro: list[Batch]
+) -> tuple[TrainState, Metrics]:
+    """An eager within-call window whose gradients accumulate in the module's ``.grad``.
+
+    The plain loop's memory profile: each microbatch's gradients are added into
+    ``.grad`` by the backward as they are produced, and ``.grad`` is handed back as it
+    was found (``None`` as a rule) after the update, so nothing stays allocated between
+    steps. The ``.grad`` the module had before is restored, also on an error.
+    """
+    params = module_tensors(state)
+    assert params is not None
+    plist = list(params.values())
+    saved = [p.grad for p in plist]
+    into = _IntoGrad()
+    token = _INTO_GRAD.set(into)
+    n = len(micro)
+    try:
+        for p in plist:
+            p.grad = None
+        aux_sum: Any = None
+        value_sum: torch.Tensor | None = None
+        total: torch.Tensor | None = None
+        g: GradOut | None = None
+        for mb in micro:
+            g = step.grad(step.loss, state, mb, 1.0 / n)
+            aux_sum = _add_weighted(aux_sum, g.aux, g.weight)
+            vw = g.value * g.weight
+            value_sum = vw if value_sum is None else value_sum + vw
+            total = g.weight if total is None else total + g.weight
+        assert g is not None and value_sum is not None and total is not None
+        assert into.first is not None
+        sums = {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in params.items()}
+    finally:
+        _INTO_GRAD.reset(token)
+        for p, old in zip(plist, saved):
+            p.grad = old
+    # .grad holds sum_i (w_i / w_1) * grad_i / n; the window's mean gradient is
+    # sum_i w_i * grad_i / sum_i w_i, that divided by sum_i w_i / (n * w_1) (1 when the
+    # weights are equal).
+    new, metrics = step.kernels.update_window(
+        state, sums, total / (into.first * n), value_sum, total, g, True
+    )
+    if aux_sum is not None and "aux" in metrics:
+        metrics["aux"] = pytree.tree_map(lambda t: t / total if _is_float(t) else t, aux_sum)
     return new, metrics
 
 

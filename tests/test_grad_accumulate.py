@@ -190,3 +190,41 @@ def test_batchnorm_sees_each_microbatch():
     state = fasttorch.TrainState.create(model, fasttorch.optim.sgd(0.1))
     state, _ = fasttorch.grad_accumulate(fasttorch.step(mse), 4)(state, batches(1, 32)[0])
     assert int(state.buffers["1.num_batches_tracked"]) == 4
+
+
+def test_eager_window_accumulates_in_grad_and_hands_it_back():
+    """Donated and eager, the window lives in the module's .grad during the call only."""
+    state = _state()
+    model = state.module
+    sentinel = {n: torch.full_like(p, 7.0) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        p.grad = sentinel[n]
+    step = fasttorch.grad_accumulate(fasttorch.step(mse), 4)
+    copy_state = _state()
+    ref_step = fasttorch.grad_accumulate(fasttorch.step(mse, donate=False), 4)
+    for b in batches(3, 32):
+        state, m = step(state, b)
+        copy_state, m_ref = ref_step(copy_state, b)
+        assert torch.equal(m["loss"], m_ref["loss"])
+        assert torch.equal(m["grad_norm"], m_ref["grad_norm"])
+    # The copying path (autograd.grad into a window) gives the same bits.
+    for k, v in state.params.items():
+        assert torch.equal(v, copy_state.params[k]), k
+    for n, p in model.named_parameters():
+        assert p.grad is sentinel[n] and bool((p.grad == 7.0).all()), "the user's .grad kept"
+    assert step.kernels._scratch is None, "no window kept between calls"
+
+
+def test_eager_window_in_grad_restores_grad_on_error():
+    state = _state()
+
+    def failing(apply, batch):
+        if batch[0].shape[0] < 8:
+            raise RuntimeError("boom")
+        return mse(apply, batch)
+
+    step = fasttorch.grad_accumulate(fasttorch.step(failing), 4)
+    x, y = batches(1, 31)[0]  # 8, 8, 8, 7 rows: the last microbatch raises
+    with pytest.raises(RuntimeError, match="boom"):
+        step(state, (x, y))
+    assert all(p.grad is None for p in state.module.parameters())

@@ -129,9 +129,12 @@ class Adam:
             torch._foreach_div_(denom, bias_correction2_sqrt)
             # A list: with a bare 0-d tensor, _foreach_add_ reads it with .item() in C++.
             torch._foreach_add_(denom, [eps] * len(denom))
-            update = torch._foreach_div(m, denom)
-            torch._foreach_mul_(update, step_size)
-            torch._foreach_sub_(p, update)
+            # m / denom * step_size, written over g (no longer needed) rather than into
+            # a fresh temporary the size of the parameters; a copy is exact.
+            torch._foreach_copy_(g, m)
+            torch._foreach_div_(g, denom)
+            torch._foreach_mul_(g, step_size)
+            torch._foreach_sub_(p, g)
         slots = {"exp_avg": dict(zip(names, m)), "exp_avg_sq": dict(zip(names, v))}
         return dict(zip(names, p)), opt_state.replace(count=count, slots=slots)
 
