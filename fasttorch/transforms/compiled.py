@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from fasttorch.steps import Step, check_wrap, compile_step_fn
+from fasttorch.transforms._cpu_gemm import CpuGemm, HalfGemmInFloat32, half_gemm_dtypes
 
 __all__ = ["compiled"]
 
@@ -21,6 +22,7 @@ def compiled(
     dynamic: bool | None = None,
     backend: str | Callable[..., Any] = "inductor",
     options: dict[str, Any] | None = None,
+    cpu_gemm: CpuGemm = "auto",
 ) -> Any:
     """Compile the whole step: forward, backward, loss scaling, clipping and update.
 
@@ -39,10 +41,23 @@ def compiled(
     which ``torch.compile(model)`` alone does not give: the optimizer and clipping only
     fuse when they are in the same graph as the backward.
 
+    On a CPU without bf16 (fp16) matrix units, ATen's bf16 (fp16) matrix products are
+    several times slower than float32 ones of the same shape. There, by default,
+    ``compiled`` computes the graph's bf16/fp16 ``mm``/``addmm``/``bmm`` on CPU tensors in
+    float32 from the same inputs and rounds the result once to bf16/fp16: products of
+    bf16 numbers are exact in float32 and both kernels accumulate in float32, so the
+    values agree up to the order of the sums (as between any two GEMM libraries).
+    ``cpu_gemm`` chooses: ``"auto"`` (this rewrite for each of bf16 and fp16 that the CPU
+    lacks units for: AVX512-BF16 or AMX for bf16, AMX-FP16 or AVX512-FP16 for fp16; only
+    x86 CPUs are judged), ``"fp32"`` (always) or ``"native"`` (never). GPU tensors are
+    never touched. It is an inductor graph pass, so it applies to the inductor backend.
+
     Args:
         step: a :class:`fasttorch.Step` or any ``(state, batch)`` callable.
         mode, fullgraph, dynamic, backend, options: as for :func:`torch.compile`;
             ``backend="aot_eager"`` checks graph capture without code generation.
+        cpu_gemm: ``"auto"``, ``"fp32"`` or ``"native"``: how bf16/fp16 matrix
+            products on CPU tensors are computed (see above).
 
     Example:
         >>> import torch, fasttorch
@@ -57,6 +72,7 @@ def compiled(
     opts: dict[str, Any] = {"fullgraph": fullgraph, "dynamic": dynamic, "backend": backend}
     if mode is not None:
         opts["mode"] = mode
+    options = _with_cpu_gemm(options, cpu_gemm, backend)
     if options is not None:
         opts["options"] = options
     if getattr(step, "__fasttorch_profiled__", False):  # set by fasttorch.profiled
@@ -79,3 +95,33 @@ def compiled(
 
     run.__fasttorch_compiled__ = True  # type: ignore[attr-defined]
     return run
+
+
+def _with_cpu_gemm(
+    options: dict[str, Any] | None, cpu_gemm: CpuGemm, backend: str | Callable[..., Any]
+) -> dict[str, Any] | None:
+    """``options`` with the float32 GEMM pass added ahead of any post-grad pass of theirs."""
+    dtypes = half_gemm_dtypes(cpu_gemm)  # checks the value
+    if backend != "inductor":
+        if cpu_gemm == "fp32":
+            raise ValueError(
+                f"cpu_gemm='fp32' is an inductor graph pass; backend {backend!r} does not run "
+                "it. Use the inductor backend, or cpu_gemm='auto'/'native'"
+            )
+        return options
+    if not dtypes:
+        return options
+    out = dict(options or {})
+    # Inductor would otherwise skip the bf16 rounding between a value's producer and
+    # the widening convert when both fuse, and multiply unrounded float32 values.
+    out.setdefault("emulate_precision_casts", True)
+    mine = HalfGemmInFloat32(dtypes)
+    theirs = out.get("post_grad_custom_pre_pass")
+    if theirs is None:
+        out["post_grad_custom_pre_pass"] = mine
+    else:
+        out["post_grad_custom_pre_pass"] = [
+            mine,
+            *(theirs if isinstance(theirs, (list, tuple)) else [theirs]),
+        ]
+    return out

@@ -1,0 +1,175 @@
+"""compiled(cpu_gemm=...): bf16/fp16 CPU matrix products computed in float32, rounded once."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from reference import LayerNormNet, assert_params_close, batches, mse, reference_run
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import fasttorch
+from fasttorch.transforms import _cpu_gemm
+from fasttorch.transforms._cpu_gemm import HalfGemmInFloat32, half_gemm_dtypes
+from fasttorch.transforms.compiled import _with_cpu_gemm
+
+aten = torch.ops.aten
+GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+
+
+def _products(a, b, c, bias, ah, bh, ch):
+    return (
+        torch.mm(a, b),
+        torch.addmm(bias, a, b),
+        torch.bmm(c, c.transpose(1, 2)),
+        torch.baddbmm(c, c, c.transpose(1, 2)),
+        torch.mm(ah, bh),  # fp16: not asked for, left alone
+        torch.mm(a.float(), b.float()),  # float32: left alone
+        torch.bmm(ch, ch.transpose(1, 2)),
+    )
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(16, 96, generator=g).bfloat16()
+    b = torch.randn(96, 24, generator=g).bfloat16()
+    c = torch.randn(3, 8, 8, generator=g).bfloat16()
+    bias = torch.randn(24, generator=g).bfloat16()
+    return a, b, c, bias, a.half(), b.half(), c.half()
+
+
+def _gemm_dtypes(graph):
+    return sorted(
+        str(n.meta["val"].dtype).removeprefix("torch.")
+        for n in graph.nodes
+        if n.op == "call_function" and n.target in GEMMS
+    )
+
+
+def test_pass_widens_bf16_products_and_rounds_once():
+    args = _inputs()
+    gm = make_fx(_products, tracing_mode="fake")(*args)
+    before = _gemm_dtypes(gm.graph)
+    assert before.count("bfloat16") == 4 and before.count("float16") == 2
+    HalfGemmInFloat32([torch.bfloat16])(gm.graph)
+    gm.recompile()
+    after = _gemm_dtypes(gm.graph)
+    assert "bfloat16" not in after and after.count("float16") == 2 and after.count("float32") == 5
+    got = gm(*args)
+    native = _products(*args)
+    a, b, c, bias, *_ = (x.float() for x in args)
+    exact = (
+        torch.mm(a, b),
+        torch.addmm(bias, a, b),
+        torch.bmm(c, c.transpose(1, 2)),
+        torch.baddbmm(c, c, c.transpose(1, 2)),
+    )
+    for i, want in enumerate(exact):
+        assert got[i].dtype == torch.bfloat16
+        assert torch.equal(got[i], want.bfloat16()), "float32 product, one rounding"
+        # ATen's bf16 kernel sums in float32 too: at most the last bit differs
+        torch.testing.assert_close(got[i], native[i], rtol=2**-7, atol=0)
+    for i in (4, 5, 6):
+        assert torch.equal(got[i], native[i]), "other dtypes are untouched"
+
+
+def test_pass_leaves_other_devices_alone():
+    a, b, *_ = _inputs()
+    gm = make_fx(torch.mm, tracing_mode="fake")(a.to("meta"), b.to("meta"))
+    HalfGemmInFloat32([torch.bfloat16])(gm.graph)
+    assert _gemm_dtypes(gm.graph) == ["bfloat16"]
+
+
+def test_cpu_gemm_choices(monkeypatch):
+    assert half_gemm_dtypes("native") == ()
+    assert half_gemm_dtypes("fp32") == (torch.bfloat16, torch.float16)
+    monkeypatch.setattr(_cpu_gemm, "native_cpu_gemm", lambda d: d == torch.float16)
+    assert half_gemm_dtypes("auto") == (torch.bfloat16,)
+    out = _with_cpu_gemm({"emulate_precision_casts": False}, "auto", "inductor")
+    assert out is not None and out["emulate_precision_casts"] is False, "theirs wins"
+    assert out["post_grad_custom_pre_pass"].dtypes == (torch.bfloat16,)
+    assert _with_cpu_gemm(None, "auto", "inductor")["emulate_precision_casts"] is True
+    monkeypatch.setattr(_cpu_gemm, "native_cpu_gemm", lambda d: True)
+    assert half_gemm_dtypes("auto") == ()
+    assert _with_cpu_gemm(None, "auto", "inductor") is None, "nothing to add, nothing added"
+    with pytest.raises(ValueError, match="cpu_gemm must be"):
+        fasttorch.compiled(fasttorch.step(mse), cpu_gemm="bf16")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="inductor graph pass"):
+        fasttorch.compiled(fasttorch.step(mse), backend="aot_eager", cpu_gemm="fp32")
+    # auto and native pass through other backends without complaint
+    for choice in ("auto", "native"):
+        assert _with_cpu_gemm({"x": 1}, choice, "aot_eager") == {"x": 1}
+
+
+def test_the_pass_runs_ahead_of_the_callers_own():
+    class Theirs(CustomGraphPass):
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            return "theirs"
+
+    theirs = Theirs()
+    opts = {"post_grad_custom_pre_pass": theirs}
+    out = _with_cpu_gemm(opts, "fp32", "inductor")
+    assert out is not None
+    first, second = out["post_grad_custom_pre_pass"]
+    assert isinstance(first, HalfGemmInFloat32) and second is theirs
+    assert opts == {"post_grad_custom_pre_pass": theirs}, "the caller's dict is left as it was"
+    assert HalfGemmInFloat32([torch.bfloat16]).uuid() != HalfGemmInFloat32([torch.float16]).uuid()
+
+
+@pytest.mark.slow
+def test_compiled_bf16_step_with_float32_products_matches_native_and_the_hand_written_loop():
+    """Inductor, bf16 autocast, accumulation and clipping.
+
+    cpu_gemm="fp32" against cpu_gemm="native" (ATen's bf16 products in the same compiled
+    step, under the same inductor rounding rules) to the bf16 equivalence tolerance; both
+    against the plain loop to inductor's own bf16 drift (its kernels round elementwise
+    bf16 work differently from eager's; Adam turns those last-bit differences into
+    parameter differences of a small fraction of lr)."""
+    seen = []
+
+    class Spy(CustomGraphPass):
+        def __call__(self, graph):
+            seen.append(_gemm_dtypes(graph))
+
+        def uuid(self):
+            return None  # no graph cache: the passes must run
+
+    torch.manual_seed(0)
+    model = LayerNormNet()
+    data = batches(8, 16)
+    windows = [data[i : i + 2] for i in range(0, 8, 2)]
+    results = {}
+    for choice in ("fp32", "native"):
+        step = fasttorch.clip_scaled(
+            fasttorch.grad_accumulate(fasttorch.with_amp(fasttorch.step(mse), "bf16"), 2), 1.0
+        )
+        # the same rounding rules in both (cpu_gemm="fp32" turns this on itself)
+        opts = {"post_grad_custom_pre_pass": Spy(), "emulate_precision_casts": True}
+        fast = fasttorch.compiled(step, cpu_gemm=choice, options=opts)
+        state = fasttorch.TrainState.create(
+            copy.deepcopy(model), fasttorch.optim.adamw(1e-2, weight_decay=0.1)
+        )
+        for w in windows:
+            x, y = (torch.cat(t) for t in zip(*w))
+            state, _ = fast(state, (x, y))
+        results[choice] = state
+        model_graph = max(seen, key=len)  # the microbatch graph: forward and backward
+        assert len(model_graph) == 8, "3 forward, 5 backward products"
+        assert set(model_graph) == {"float32" if choice == "fp32" else "bfloat16"}, seen
+        seen.clear()
+    ref, _ = reference_run(
+        model,
+        windows,
+        make_opt=lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+        precision="bf16",
+        clip=1.0,
+    )
+    for k, p in results["fp32"].params.items():
+        torch.testing.assert_close(p, results["native"].params[k], rtol=1e-4, atol=1e-5)
+    for state in results.values():
+        assert_params_close(state, ref, rtol=1e-3, atol=1e-3)
