@@ -42,15 +42,34 @@ def _accessors(
     )
 
 
+def _snapshot(
+    device: torch.device, get: Callable[[], torch.Tensor], put: Callable[[torch.Tensor], None]
+) -> Callable[[], None]:
+    """Save the caller's generator state; return what puts it back.
+
+    On CPU the generator is copied as a generator (``clone_state``), not read out as a
+    5 KB tensor that would stay allocated for the whole step.
+    """
+    if device.type == "cpu" and hasattr(torch.default_generator, "clone_state"):
+        saved_gen = torch.default_generator.clone_state()
+
+        def restore() -> None:
+            torch.default_generator.set_state(saved_gen.get_state())
+
+        return restore
+    saved = get()
+    return lambda: put(saved)
+
+
 @contextmanager
 def scoped_rng(
     state_rng: torch.Tensor, device: torch.device
 ) -> Iterator[Callable[[], torch.Tensor]]:
     """Install ``state_rng`` on ``device``; yield a getter of the advanced state."""
     get, put = _accessors(device)
-    saved = get()
+    restore = _snapshot(device, get, put)
     put(state_rng)
     try:
         yield get
     finally:
-        put(saved)
+        restore()

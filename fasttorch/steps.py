@@ -260,8 +260,32 @@ def as_loss(out: Any, batch: Batch, name: str) -> Loss:
         )
     weight = loss.weight if loss.weight is not None else batch_size(batch)
     if not isinstance(weight, torch.Tensor):
-        weight = torch.tensor(float(weight), device=v.device)
+        weight = _constant(float(weight), device=v.device)
     return Loss(v, weight.to(torch.float32), loss.aux)
+
+
+_CONSTANTS: dict[tuple[float, torch.dtype, torch.device, bool], torch.Tensor] = {}
+
+
+def _constant(
+    x: float, *, device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``x`` as a 0-d tensor; in eager mode the same tensor each time.
+
+    Nothing is allocated per step for a sample count or a ``1/n``, and an eager window
+    sees by identity, not by reading values, that its microbatches weigh the same, so
+    it skips multiplying and dividing by factors that are exactly 1. A tensor that
+    anything wrote into (its version moved) is replaced.
+    """
+    if torch.compiler.is_compiling():
+        return torch.tensor(x, dtype=dtype, device=device)
+    key = (x, dtype, device, torch.is_inference_mode_enabled())
+    t = _CONSTANTS.get(key)
+    if t is None or t._version != 0:
+        if len(_CONSTANTS) >= 256:
+            _CONSTANTS.clear()
+        t = _CONSTANTS[key] = torch.tensor(x, dtype=dtype, device=device)
+    return t
 
 
 def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> GradOut:
@@ -305,6 +329,7 @@ class _IntoGrad:
     """An eager window accumulating in the module's ``.grad`` (see ``_grad_into_module``)."""
 
     first: torch.Tensor | None = None  # the first microbatch's weight
+    same: bool = True  # every microbatch's weight is that same tensor (factors exactly 1)
 
 
 # Set by the driver around an eager window whose gradients accumulate in ``.grad``.
@@ -327,19 +352,26 @@ def _grad_into_module(
     then go into the window: one gradient set more at the peak than the plain loop,
     whose backward adds each gradient into ``.grad`` as soon as it exists. Here the
     engine does that. The window's gradient is ``sum_i w_i * grad(value_i) / sum_i w_i``;
-    microbatch ``i`` backpropagates ``value_i * mult * (w_i / w_1)`` (``mult`` is ``1/n``,
-    times the loss scale under fp16), and the driver divides the sum by
-    ``sum_i w_i / (n * w_1)`` at the end. With equal weights both factors are exactly 1
-    and this is the plain loop, operation for operation.
+    microbatch ``i`` backpropagates ``value_i`` with the seed ``mult * (w_i / w_1)``
+    (``mult`` is ``1/n``, times the loss scale under fp16; the plain loop's
+    ``(value / n).backward()`` seeds ``value`` with the same ``1/n``), and the driver
+    divides the sum by ``sum_i w_i / (n * w_1)`` at the end. With equal weights both
+    factors are exactly 1 and this is the plain loop, operation for operation.
     """
     with torch.enable_grad():
         out = loss(state, params, state.buffers, batch)
-        target = out.value * mult
+        v = out.value
+        seed = (
+            mult.to(v.dtype)
+            if isinstance(mult, torch.Tensor)
+            else _constant(float(mult), device=v.device, dtype=v.dtype)
+        )
         if into.first is None:
             into.first = out.weight
-        else:
-            target = target * (out.weight / into.first)
-        torch.autograd.backward(target, inputs=list(params.values()))
+        elif out.weight is not into.first:
+            into.same = False
+            seed = seed * (out.weight / into.first)
+        torch.autograd.backward(v, grad_tensors=seed, inputs=list(params.values()))
     aux = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out.aux)
     return GradOut(grads={}, value=out.value.detach(), weight=out.weight, aux=aux)
 
@@ -669,7 +701,9 @@ class _Kernels:
         # ours to overwrite only when donated (it is zeroed for the next window below).
         owned = not reset or s.donate
         total = acc.weight.clone()  # the window is zeroed below when it is the state's
-        new, metrics = self.update_window(state, acc.grads, total, acc.value, total, g, owned)
+        new, metrics = self.update_window(
+            state, acc.grads, total, acc.value / total, total, g, owned
+        )
         fresh = None
         if reset:
             fresh = commit(s.donate, acc, empty_window(acc.grads, total.device))
@@ -679,22 +713,27 @@ class _Kernels:
         self,
         state: TrainState,
         sums: Tensors,
-        divisor: torch.Tensor,
-        value_sum: torch.Tensor,
+        divisor: torch.Tensor | None,
+        value: torch.Tensor,
         total: torch.Tensor,
         g: GradOut,
         owned: bool,
     ) -> tuple[TrainState, Metrics]:
-        """Update with the window's mean gradient ``sums / divisor`` (in place if owned)."""
+        """Update with the window's mean gradient ``sums / divisor`` (in place if owned).
+
+        ``divisor=None``: ``sums`` are the mean already. ``value``: the window's mean loss.
+        """
         s = self.step
         ts = list(sums.values())
-        if owned:
+        if divisor is None:
+            pass
+        elif owned:
             torch._foreach_div_(ts, divisor)
         else:
             ts = list(torch._foreach_div(ts, divisor))
         window = GradOut(
             grads=dict(zip(sums, ts)),
-            value=value_sum / total,
+            value=value,
             weight=total,
             aux=g.aux,
             scale=g.scale,
@@ -930,6 +969,8 @@ def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metri
                     new, metrics, fresh, _ = last(inner, window, batch, acc_cfg.n, True)
                     new = new.replace(substates={**new.substates, "grad_accumulate": fresh})
             rng = rng_now()
+            if step.donate and rng.shape == state.rng.shape:
+                rng = state.rng.copy_(rng)  # the state's own tensor takes the advanced state
     finally:
         _IN_PLACE.reset(in_place)
     new = new.replace(rng=rng)
@@ -968,16 +1009,37 @@ def _window_in_module(
         aux_sum: Any = None
         value_sum: torch.Tensor | None = None
         total: torch.Tensor | None = None
-        g: GradOut | None = None
-        for mb in micro:
+        last: GradOut | None = None
+        # The sums are built in place and each microbatch's outputs let go before the
+        # next backward: no scalar more than the plain loop's is held where memory peaks.
+        for i, mb in enumerate(micro):
             g = step.grad(step.loss, state, mb, 1.0 / n)
             aux_sum = _add_weighted(aux_sum, g.aux, g.weight)
             vw = g.value * g.weight
-            value_sum = vw if value_sum is None else value_sum + vw
-            total = g.weight if total is None else total + g.weight
-        assert g is not None and value_sum is not None and total is not None
+            if value_sum is None:
+                value_sum = vw
+            else:
+                value_sum.add_(vw)
+            del vw
+            if total is not None:
+                total.add_(g.weight)
+            elif not into.same:  # the first weight that differs: the sum up to here
+                assert into.first is not None
+                total = _repeat_sum(into.first, i)
+                total.add_(g.weight)
+            if i == n - 1:
+                last = g
+            del g
+        assert last is not None and value_sum is not None
         assert into.first is not None
+        if total is None:  # every weight is into.first
+            total = _repeat_sum(into.first, n)
         sums = {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in params.items()}
+        if not into.same:  # with equal weights the divisor is exactly 1
+            torch._foreach_div_(list(sums.values()), total / (into.first * n))
+        value = value_sum / total
+        last = last.replace(value=value, weight=total)
+        del into, value_sum
     finally:
         _INTO_GRAD.reset(token)
         for p, old in zip(plist, saved):
@@ -985,12 +1047,18 @@ def _window_in_module(
     # .grad holds sum_i (w_i / w_1) * grad_i / n; the window's mean gradient is
     # sum_i w_i * grad_i / sum_i w_i, that divided by sum_i w_i / (n * w_1) (1 when the
     # weights are equal).
-    new, metrics = step.kernels.update_window(
-        state, sums, total / (into.first * n), value_sum, total, g, True
-    )
+    new, metrics = step.kernels.update_window(state, sums, None, value, total, last, True)
     if aux_sum is not None and "aux" in metrics:
         metrics["aux"] = pytree.tree_map(lambda t: t / total if _is_float(t) else t, aux_sum)
     return new, metrics
+
+
+def _repeat_sum(w: torch.Tensor, k: int) -> torch.Tensor:
+    """``w + w + ... + w`` (``k`` terms), added in order as a running sum would."""
+    total = w.clone()
+    for _ in range(k - 1):
+        total.add_(w)
+    return total
 
 
 def _add_weighted(total: Any, aux: Any, w: torch.Tensor) -> Any:

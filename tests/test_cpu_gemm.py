@@ -75,6 +75,33 @@ def test_pass_widens_bf16_products_and_rounds_once():
         assert torch.equal(got[i], native[i]), "other dtypes are untouched"
 
 
+def _saved(x_in, w, g):
+    x = torch.relu(x_in)  # an activation, not an input
+    y = torch.mm(x, w)  # the forward product
+    return y, torch.mm(g, x.t()), torch.mm(x.t(), w.t())  # two backward-like uses of x
+
+
+def test_an_activation_met_again_stays_bf16_unless_every_product_is_asked_for():
+    g = torch.Generator().manual_seed(0)
+    x, w, gy = (torch.randn(8, 8, generator=g).bfloat16() for _ in range(3))
+    for every, want in ((False, ["bfloat16", "bfloat16", "float32"]), (True, ["float32"] * 3)):
+        gm = make_fx(_saved, tracing_mode="fake")(x, w, gy)
+        HalfGemmInFloat32([torch.bfloat16], every=every)(gm.graph)
+        gm.recompile()
+        assert _gemm_dtypes(gm.graph) == sorted(want)
+        for got, ref in zip(gm(x, w, gy), _saved(x, w, gy)):
+            torch.testing.assert_close(got, ref, rtol=2**-7, atol=0)
+    # the widening of x is made once, shared by the products that use it
+    gm = make_fx(_saved, tracing_mode="fake")(x, w, gy)
+    HalfGemmInFloat32([torch.bfloat16], every=True)(gm.graph)
+    widened = [
+        n
+        for n in gm.graph.nodes
+        if n.target == torch.ops.prims.convert_element_type.default and n.args[1] == torch.float32
+    ]
+    assert len(widened) == 3, "relu(x), w and gy: one float32 copy each"
+
+
 def test_pass_leaves_other_devices_alone():
     a, b, *_ = _inputs()
     gm = make_fx(torch.mm, tracing_mode="fake")(a.to("meta"), b.to("meta"))

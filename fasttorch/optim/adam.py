@@ -94,7 +94,8 @@ class Adam:
         kernels in the same order, so they give the same bits.
         """
         names = list(params)
-        count = opt_state.count + 1
+        # In place, the count is the state's own tensor too (no allocation at the peak).
+        count = opt_state.count.add_(1) if inplace else opt_state.count + 1
         if not names:
             return {}, opt_state.replace(count=count)
         h = opt_state.hyper
@@ -113,9 +114,7 @@ class Adam:
                 torch._foreach_add_(g, _foreach_mul(p, wd))
             # torch's exp_avg.lerp_(grad, 1 - beta1), with the weight as a tensor per
             # parameter dtype (a 0-d tensor scalar would be read back to the host).
-            weight = 1 - beta1
-            weights = {t.dtype: weight.to(t.dtype) for t in m}
-            torch._foreach_lerp_(m, g, [weights[t.dtype] for t in m])
+            torch._foreach_lerp_(m, g, _per_dtype(1 - beta1, m))
             torch._foreach_mul_(v, beta2)
             torch._foreach_mul_(g, g)
             torch._foreach_mul_(g, 1 - beta2)
@@ -125,18 +124,36 @@ class Adam:
             t = count.to(torch.float64)
             step_size = lr / (1 - beta1**t)
             bias_correction2_sqrt = (1 - beta2**t).sqrt()
-            denom = torch._foreach_sqrt(v)
+            del t
+            if inplace:
+                # Eager: the denominator is built in g, which is spent, and m / denom is
+                # written over it tensor by tensor, so the update allocates nothing the
+                # size of the parameters. The same kernels in the same order: same bits.
+                torch._foreach_copy_(g, v)
+                torch._foreach_sqrt_(g)
+                denom = g
+            else:
+                denom = list(torch._foreach_sqrt(v))
             torch._foreach_div_(denom, bias_correction2_sqrt)
             # A list: with a bare 0-d tensor, _foreach_add_ reads it with .item() in C++.
             torch._foreach_add_(denom, [eps] * len(denom))
-            # m / denom * step_size, written over g (no longer needed) rather than into
-            # a fresh temporary the size of the parameters; a copy is exact.
-            torch._foreach_copy_(g, m)
-            torch._foreach_div_(g, denom)
+            if inplace:
+                for mi, di in zip(m, denom):
+                    torch.div(mi, di, out=di)
+            else:
+                # m / denom * step_size, written over g (spent); a copy is exact.
+                torch._foreach_copy_(g, m)
+                torch._foreach_div_(g, denom)
             torch._foreach_mul_(g, step_size)
             torch._foreach_sub_(p, g)
         slots = {"exp_avg": dict(zip(names, m)), "exp_avg_sq": dict(zip(names, v))}
         return dict(zip(names, p)), opt_state.replace(count=count, slots=slots)
+
+
+def _per_dtype(x: Tensor, like: list[Tensor]) -> list[Tensor]:
+    """``x`` cast to each tensor's dtype, once per dtype."""
+    cast = {t.dtype: x.to(t.dtype) for t in like}
+    return [cast[t.dtype] for t in like]
 
 
 def adam(

@@ -68,6 +68,7 @@ def clip_scaled(step: Step, max_norm: float) -> Step:
         coef = torch.clamp(limit / (norm + 1e-6), max=1.0)
         factor = coef if inv is None else coef * inv
         torch._foreach_mul_(list(g.grads.values()), factor)  # the update phase owns g.grads
+        del coef, factor, inv  # not held through the update, where memory peaks
         return inner(state, g.replace(scale=None, norm=norm))
 
     return step.with_phases("clip_scaled", update=update)

@@ -47,10 +47,19 @@ def compiled(
     float32 from the same inputs and rounds the result once to bf16/fp16: products of
     bf16 numbers are exact in float32 and both kernels accumulate in float32, so the
     values agree up to the order of the sums (as between any two GEMM libraries).
-    ``cpu_gemm`` chooses: ``"auto"`` (this rewrite for each of bf16 and fp16 that the CPU
-    lacks units for: AVX512-BF16 or AMX for bf16, AMX-FP16 or AVX512-FP16 for fp16; only
-    x86 CPUs are judged), ``"fp32"`` (always) or ``"native"`` (never). GPU tensors are
-    never touched. It is an inductor graph pass, so it applies to the inductor backend.
+    ``cpu_gemm`` chooses:
+
+    * ``"auto"``: for each of bf16 and fp16 that the CPU lacks units for (AVX512-BF16 or
+      AMX for bf16, AMX-FP16 or AVX512-FP16 for fp16; only x86 CPUs are judged), every
+      product except those that would keep a float32 copy of an activation from the
+      forward to the backward (the weight-gradient products stay in bf16), so the
+      step's peak memory stays that of bf16 plus one float32 copy of each weight;
+    * ``"fp32"``: every bf16/fp16 product, on any CPU: faster still, and each such
+      activation is held in float32 too;
+    * ``"native"``: none.
+
+    GPU tensors are never touched. It is an inductor graph pass, so it applies to the
+    inductor backend.
 
     Args:
         step: a :class:`fasttorch.Step` or any ``(state, batch)`` callable.
@@ -115,7 +124,7 @@ def _with_cpu_gemm(
     # Inductor would otherwise skip the bf16 rounding between a value's producer and
     # the widening convert when both fuse, and multiply unrounded float32 values.
     out.setdefault("emulate_precision_casts", True)
-    mine = HalfGemmInFloat32(dtypes)
+    mine = HalfGemmInFloat32(dtypes, every=cpu_gemm == "fp32")
     theirs = out.get("post_grad_custom_pre_pass")
     if theirs is None:
         out["post_grad_custom_pre_pass"] = mine
