@@ -129,3 +129,39 @@ def test_a_missed_speedup_quotes_the_bound_from_extern_kernels():
         verdict == "**missed**" and got == "1.05 (bound 1.25: 80% of B0 is matmul/conv/attention)"
     )
     assert rows["M1: F1 >= 2.0x B0"] == ("2.50", "met")  # no bound quoted when met
+
+
+def test_from_json_rewrites_the_document_without_running(tmp_path):
+    """--json saves what --from-json needs; the second writes the same tables."""
+    out, raw, again = tmp_path / "a.md", tmp_path / "raw.json", tmp_path / "b.md"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+    def run(*args):
+        proc = subprocess.run(
+            [sys.executable, "-m", "benchmarks.run", "--smoke", *args],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc
+
+    run("--out", str(out), "--json", str(raw))
+    proc = run("--out", str(again), "--from-json", str(raw))
+    assert "M1 bf16 on" not in proc.stdout, "nothing ran"
+    first, second = out.read_text(), again.read_text()
+    assert "nothing was re-run" in second and "nothing was re-run" not in first
+    drop = [ln for ln in second.splitlines() if "nothing was re-run" not in ln]
+    assert drop == first.splitlines()
+    (tmp_path / "bad.json").write_text("[]")
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--from-json", str(tmp_path / "bad.json")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode != 0 and "not a results file" in proc.stderr
