@@ -70,18 +70,23 @@ def test_payback():
     assert payback_steps(10.0, 0.03, 0.02) is None  # slower per step: never pays
 
 
-def test_smoke_run_writes_the_document(tmp_path):
-    out = tmp_path / "benchmarks.md"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _suite(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks.run ARGS`` in a subprocess; its exit status checked."""
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--smoke", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks.run", *args],
         cwd=ROOT,
-        env=env,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (proc.returncode == 0) == ok, proc.stderr[-2000:]
+    return proc
+
+
+def test_smoke_run_writes_the_document(tmp_path):
+    out = tmp_path / "benchmarks.md"
+    _suite("--smoke", "--out", str(out))
     text = out.read_text()
     assert "torch " in text and "date:" in text
     assert "| B0 |" in text and "| F0 |" in text
@@ -134,34 +139,13 @@ def test_a_missed_speedup_quotes_the_bound_from_extern_kernels():
 def test_from_json_rewrites_the_document_without_running(tmp_path):
     """--json saves what --from-json needs; the second writes the same tables."""
     out, raw, again = tmp_path / "a.md", tmp_path / "raw.json", tmp_path / "b.md"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-
-    def run(*args):
-        proc = subprocess.run(
-            [sys.executable, "-m", "benchmarks.run", "--smoke", *args],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return proc
-
-    run("--out", str(out), "--json", str(raw))
-    proc = run("--out", str(again), "--from-json", str(raw))
+    _suite("--smoke", "--out", str(out), "--json", str(raw))
+    proc = _suite("--smoke", "--out", str(again), "--from-json", str(raw))
     assert "M1 bf16 on" not in proc.stdout, "nothing ran"
     first, second = out.read_text(), again.read_text()
     assert "nothing was re-run" in second and "nothing was re-run" not in first
     drop = [ln for ln in second.splitlines() if "nothing was re-run" not in ln]
     assert drop == first.splitlines()
     (tmp_path / "bad.json").write_text("[]")
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--from-json", str(tmp_path / "bad.json")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode != 0 and "not a results file" in proc.stderr
+    proc = _suite("--from-json", str(tmp_path / "bad.json"), ok=False)
+    assert "not a results file" in proc.stderr
