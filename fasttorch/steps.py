@@ -829,14 +829,47 @@ def compile_step_fn(fn: Callable[..., Any], **options: Any) -> Callable[..., Any
     if isinstance(options.get("options"), dict):
         # torch.compile pops entries (guard_filter_fn) from this dict: one per kernel.
         options = {**options, "options": dict(options["options"])}
-    compiled_fn = torch.compile(own_code(fn), **_with_fusion_cap(options))
+    code = own_code(fn)
+    compiled_fn: Callable[..., Any] | None = None
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
+        nonlocal compiled_fn
+        if compiled_fn is None:  # on the first call, when the tensors' devices are known
+            opts = _without_cpu_only_passes(options, (args, kwargs))
+            compiled_fn = torch.compile(code, **_with_fusion_cap(opts))
         with torch._dynamo.config.patch(trace_autograd_ops=True):
             return compiled_fn(*args, **kwargs)
 
     return run
+
+
+def _without_cpu_only_passes(options: dict[str, Any], args: Any) -> dict[str, Any]:
+    """``options`` less the inductor passes marked ``cpu_only`` when no tensor is on CPU.
+
+    Such a pass (``compiled``'s bf16 matrix-product rewrite) would find nothing to do in
+    a GPU graph, but the rounding option it asks for (``emulate_precision_casts``, when
+    it set it) would still change the GPU kernels.
+    """
+    inner = options.get("options")
+    if not isinstance(inner, dict):
+        return options
+    given = inner.get("post_grad_custom_pre_pass")
+    passes = list(given) if isinstance(given, (list, tuple)) else [given]
+    mine = [p for p in passes if getattr(p, "cpu_only", False)]
+    if not mine or any(
+        isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in pytree.tree_leaves(args)
+    ):
+        return options
+    inner = dict(inner)
+    rest = [p for p in passes if p is not None and p not in mine]
+    if rest:
+        inner["post_grad_custom_pre_pass"] = rest[0] if len(rest) == 1 else rest
+    else:
+        del inner["post_grad_custom_pre_pass"]
+    if any(getattr(p, "set_emulate", False) for p in mine):
+        inner.pop("emulate_precision_casts", None)
+    return {**options, "options": inner}
 
 
 # Inductor's fusion search tries up to this many partners for each node among the

@@ -200,3 +200,29 @@ def test_compiled_bf16_step_with_float32_products_matches_native_and_the_hand_wr
         torch.testing.assert_close(p, results["native"].params[k], rtol=1e-4, atol=1e-5)
     for state in results.values():
         assert_params_close(state, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_a_step_with_no_cpu_tensor_is_compiled_without_the_pass():
+    from fasttorch.steps import _without_cpu_only_passes
+
+    class Theirs(CustomGraphPass):
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            return "theirs"
+
+    theirs = Theirs()
+    opts = {
+        "backend": "inductor",
+        "options": _with_cpu_gemm({"post_grad_custom_pre_pass": theirs}, "fp32", "inductor"),
+    }
+    on_gpu = ({"w": torch.empty(2, device="meta")}, torch.empty(3, device="meta"))
+    stripped = _without_cpu_only_passes(opts, on_gpu)
+    assert stripped["options"] == {"post_grad_custom_pre_pass": theirs}, "theirs is kept"
+    on_cpu = ({"w": torch.empty(2)}, torch.empty(3, device="meta"))
+    assert _without_cpu_only_passes(opts, on_cpu) is opts
+    # a rounding option the caller set is the caller's: left as it was
+    mine = {"emulate_precision_casts": False}
+    kept = _without_cpu_only_passes({"options": _with_cpu_gemm(mine, "fp32", "inductor")}, on_gpu)
+    assert kept["options"] == {"emulate_precision_casts": False}

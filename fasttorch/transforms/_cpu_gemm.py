@@ -93,9 +93,16 @@ class HalfGemmInFloat32(CustomGraphPass):
     rewritten graphs from others.
     """
 
-    def __init__(self, dtypes: Iterable[torch.dtype], *, every: bool = False) -> None:
+    # A step whose tensors are all on a GPU is compiled without this pass (see
+    # fasttorch.steps._without_cpu_only_passes), nor the rounding option it set.
+    cpu_only = True
+
+    def __init__(
+        self, dtypes: Iterable[torch.dtype], *, every: bool = False, set_emulate: bool = False
+    ) -> None:
         self.dtypes = tuple(dtypes)
         self.every = every
+        self.set_emulate = set_emulate  # compiled turned emulate_precision_casts on for it
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         wide: dict[torch.fx.Node, torch.fx.Node] = {}  # source -> its float32 copy

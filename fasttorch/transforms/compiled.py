@@ -58,8 +58,9 @@ def compiled(
       activation is held in float32 too;
     * ``"native"``: none.
 
-    GPU tensors are never touched. It is an inductor graph pass, so it applies to the
-    inductor backend.
+    GPU tensors are never touched: a step whose tensors are all on a GPU is compiled
+    without the pass or the rounding option it sets (decided on the first call). It is
+    an inductor graph pass, so it applies to the inductor backend.
 
     Args:
         step: a :class:`fasttorch.Step` or any ``(state, batch)`` callable.
@@ -123,8 +124,9 @@ def _with_cpu_gemm(
     out = dict(options or {})
     # Inductor would otherwise skip the bf16 rounding between a value's producer and
     # the widening convert when both fuse, and multiply unrounded float32 values.
+    set_emulate = "emulate_precision_casts" not in out
     out.setdefault("emulate_precision_casts", True)
-    mine = HalfGemmInFloat32(dtypes, every=cpu_gemm == "fp32")
+    mine = HalfGemmInFloat32(dtypes, every=cpu_gemm == "fp32", set_emulate=set_emulate)
     theirs = out.get("post_grad_custom_pre_pass")
     if theirs is None:
         out["post_grad_custom_pre_pass"] = mine
