@@ -40,6 +40,16 @@ def _inputs():
     return a, b, c, bias, a.half(), b.half(), c.half()
 
 
+class Theirs(CustomGraphPass):
+    """A caller's own post-grad pass, which does nothing."""
+
+    def __call__(self, graph):
+        pass
+
+    def uuid(self):
+        return "theirs"
+
+
 def _gemm_dtypes(graph):
     return sorted(
         str(n.meta["val"].dtype).removeprefix("torch.")
@@ -131,13 +141,6 @@ def test_cpu_gemm_choices(monkeypatch):
 
 
 def test_the_pass_runs_ahead_of_the_callers_own():
-    class Theirs(CustomGraphPass):
-        def __call__(self, graph):
-            pass
-
-        def uuid(self):
-            return "theirs"
-
     theirs = Theirs()
     opts = {"post_grad_custom_pre_pass": theirs}
     out = _with_cpu_gemm(opts, "fp32", "inductor")
@@ -204,13 +207,6 @@ def test_compiled_bf16_step_with_float32_products_matches_native_and_the_hand_wr
 
 def test_a_step_with_no_cpu_tensor_is_compiled_without_the_pass():
     from fasttorch.steps import _without_cpu_only_passes
-
-    class Theirs(CustomGraphPass):
-        def __call__(self, graph):
-            pass
-
-        def uuid(self):
-            return "theirs"
 
     theirs = Theirs()
     opts = {
