@@ -91,25 +91,77 @@ def _saved(x_in, w, g):
     return y, torch.mm(g, x.t()), torch.mm(x.t(), w.t())  # two backward-like uses of x
 
 
-def test_an_activation_met_again_stays_bf16_unless_every_product_is_asked_for():
+def _calls(gm, target):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == target]
+
+
+def test_a_source_met_again_is_widened_again_right_before_its_use():
+    """The first use of a source shares one widening made where the source is made; a
+    later use (the backward's weight-gradient product) widens it again right before
+    that product with an extern call, so no float32 copy outlives its product."""
     g = torch.Generator().manual_seed(0)
     x, w, gy = (torch.randn(8, 8, generator=g).bfloat16() for _ in range(3))
-    for every, want in ((False, ["bfloat16", "bfloat16", "float32"]), (True, ["float32"] * 3)):
-        gm = make_fx(_saved, tracing_mode="fake")(x, w, gy)
-        HalfGemmInFloat32([torch.bfloat16], every=every)(gm.graph)
-        gm.recompile()
-        assert _gemm_dtypes(gm.graph) == sorted(want)
-        for got, ref in zip(gm(x, w, gy), _saved(x, w, gy)):
-            torch.testing.assert_close(got, ref, rtol=2**-7, atol=0)
-    # the widening of x is made once, shared by the products that use it
     gm = make_fx(_saved, tracing_mode="fake")(x, w, gy)
-    HalfGemmInFloat32([torch.bfloat16], every=True)(gm.graph)
-    widened = [
+    HalfGemmInFloat32([torch.bfloat16])(gm.graph)
+    gm.recompile()
+    assert _gemm_dtypes(gm.graph) == ["float32"] * 3
+    for got, ref in zip(gm(x, w, gy), _saved(x, w, gy)):
+        torch.testing.assert_close(got, ref, rtol=2**-7, atol=0)
+    shared = [
         n
-        for n in gm.graph.nodes
-        if n.target == torch.ops.prims.convert_element_type.default and n.args[1] == torch.float32
+        for n in _calls(gm, torch.ops.prims.convert_element_type.default)
+        if n.args[1] == torch.float32
     ]
-    assert len(widened) == 3, "relu(x), w and gy: one float32 copy each"
+    assert sorted(str(n.args[0]) for n in shared) == ["g_1", "relu", "w_1"], (
+        "relu(x), w and gy: one shared float32 copy each, for their first use"
+    )
+    again = _calls(gm, aten._autocast_to_full_precision.default)
+    assert sorted(str(n.args[0]) for n in again) == ["relu", "relu", "w_1"], (
+        "x in both later products, w in the last"
+    )
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in again:  # right before its product: only widenings and views in between
+        product = n
+        while product.target not in GEMMS:
+            (product,) = product.users
+        between = [m for m in order if order[n] < order[m] < order[product]]
+        assert all(m.target in (*_cpu_gemm._VIEWS, n.target) for m in between), between
+
+
+def _attention(q, k, v, grad_out):
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+
+
+def test_attention_runs_in_float32_and_is_closer_to_float32_than_aten_bf16():
+    """ATen's bf16 CPU attention is several times slower than float32's (its backward
+    most), and rounds the attention weights to bf16 before multiplying by V; float32
+    from the same inputs, rounded once, is at least as close to exact."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v, go = (torch.randn(2, 3, 16, 8, generator=g).bfloat16() for _ in range(4))
+    gm = make_fx(_attention, tracing_mode="fake")(q, k, v, go)
+    names = (
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    )
+    assert [len(_calls(gm, t)) for t in names] == [1, 1]
+    HalfGemmInFloat32([torch.bfloat16])(gm.graph)
+    gm.recompile()
+    for t in names:
+        (node,) = _calls(gm, t)
+        assert {v.dtype for v in node.meta["val"]} == {torch.float32}
+    # the backward's query, key, value and output come from the forward: widened again
+    assert len(_calls(gm, aten._autocast_to_full_precision.default)) == 4
+    got = gm(q, k, v, go)
+    native = _attention(q, k, v, go)
+    exact = _attention(q.float(), k.float(), v.float(), go.float())
+    assert torch.equal(got[0], exact[0].bfloat16()), "float32 forward, one rounding"
+    for mine, aten_bf16, ref in zip(got, native, exact):
+        assert mine.dtype == torch.bfloat16
+        err = (mine.float() - ref).abs().max()
+        assert err <= (aten_bf16.float() - ref).abs().max()
+        torch.testing.assert_close(mine, aten_bf16, rtol=2**-6, atol=2**-6)
 
 
 def test_pass_leaves_other_devices_alone():

@@ -6,14 +6,15 @@ product of the same shape (fp16 without AMX-FP16/AVX512-FP16, dozens of times sl
 The product of two bf16 (or fp16) numbers is exact in float32, and both kernels
 accumulate in float32 and round the result once, so computing ``mm(a.float(),
 b.float()).to(bf16)`` gives the same values up to the order of the float32 sums, as any
-two GEMM libraries do. :class:`HalfGemmInFloat32` is an inductor graph pass that makes
-that rewrite for the CPU nodes of a compiled graph; inductor then fuses the widening
-into the kernels that produce the operands.
+two GEMM libraries do. CPU attention in bf16 is slower still (its backward most), and
+is run in float32 the same way. :class:`HalfGemmInFloat32` is an inductor graph pass
+that makes that rewrite for the CPU nodes of a compiled graph.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 import platform
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -30,6 +31,9 @@ _prims = torch.ops.prims
 # The matrix products of a post-grad graph (nn.Linear is addmm/mm, attention's
 # projections bmm); scaled_dot_product_attention keeps its own kernel.
 _GEMMS = (_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default)
+_ATTENTION = _aten._scaled_dot_product_flash_attention_for_cpu.default
+_ATTENTION_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_REWRITTEN = frozenset((*_GEMMS, _ATTENTION, _ATTENTION_BACKWARD))
 
 
 @functools.cache
@@ -75,19 +79,30 @@ def half_gemm_dtypes(cpu_gemm: CpuGemm) -> tuple[torch.dtype, ...]:
 
 
 class HalfGemmInFloat32(CustomGraphPass):
-    """Rewrite ``mm``/``addmm``/``bmm``/``baddbmm`` of ``dtypes`` on CPU to float32.
+    """Compute the bf16/fp16 matrix products and attention of CPU nodes in float32.
 
-    Each product becomes ``convert(op(convert(x, float32), ...), dtype)``: the same
-    inputs, one rounding of the result, the same output dtype. Nodes on other devices
-    and of other dtypes are left as they are. Each source tensor is widened once, where
-    it is made, and shared by its products.
+    Each ``mm``/``addmm``/``bmm``/``baddbmm`` of ``dtypes`` on CPU becomes
+    ``convert(op(convert(x, float32), ...), dtype)``: the same inputs, one rounding of
+    the result, the same output dtype. CPU attention
+    (``_scaled_dot_product_flash_attention_for_cpu`` and its backward) is run in float32
+    the same way, its outputs rounded once. Nodes on other devices and of other dtypes
+    are left as they are.
 
     A compiled training step's graph holds the forward and the backward, and the
-    backward's weight-gradient products read activations the forward made. Their
-    float32 copies would live from the forward to the backward, twice the bytes of the
-    bf16 ones. So by default a product that meets a source an earlier product used is
-    left in bf16, unless the source is a weight (one float32 copy per weight); with
-    ``every=True`` every product is widened (faster, with those copies kept).
+    backward reads activations the forward made (the weight-gradient products, the
+    attention backward's query, key, value and output). A float32 copy made with the
+    activation would live from the forward to the backward, twice the bytes of the bf16
+    one, and inductor fuses any widening into the kernel that makes its source. So:
+
+    * a source's first use widens it once, where it is made, and its products share
+      that copy; a weight (a graph input or its low-precision copy) keeps one float32
+      copy for the whole step;
+    * a later use of an activation widens it again right before that use, with ATen's
+      ``_autocast_to_full_precision``, an extern call inductor cannot fuse into the
+      forward, so the copy lives only for that product.
+
+    The step's peak memory is then that of bf16, plus one float32 copy of each weight
+    and of the one operand in use.
 
     ``uuid`` covers this file and the settings, so inductor's graph cache tells
     rewritten graphs from others.
@@ -97,44 +112,79 @@ class HalfGemmInFloat32(CustomGraphPass):
     # fasttorch.steps._without_cpu_only_passes), nor the rounding option it set.
     cpu_only = True
 
-    def __init__(
-        self, dtypes: Iterable[torch.dtype], *, every: bool = False, set_emulate: bool = False
-    ) -> None:
+    def __init__(self, dtypes: Iterable[torch.dtype], *, set_emulate: bool = False) -> None:
         self.dtypes = tuple(dtypes)
-        self.every = every
         self.set_emulate = set_emulate  # compiled turned emulate_precision_casts on for it
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         wide: dict[torch.fx.Node, torch.fx.Node] = {}  # source -> its float32 copy
-        seen: set[torch.fx.Node] = set()  # sources some earlier product used
+        seen: set[torch.fx.Node] = set()  # sources an earlier rewritten node used
         for node in list(graph.nodes):
-            if node.op != "call_function" or node.target not in _GEMMS:
+            if node.op != "call_function":
                 continue
             val = node.meta.get("val")
-            if not isinstance(val, torch.Tensor) or val.device.type != "cpu":
+            first = val[0] if isinstance(val, (tuple, list)) and val else val
+            if not isinstance(first, torch.Tensor) or first.device.type != "cpu":
                 continue
-            if val.dtype not in self.dtypes:
+            dtype = first.dtype
+            if dtype not in self.dtypes:
                 continue
-            sources = [_source(a, val.dtype)[0] for a in node.args if _is(a, val.dtype)]
-            # A source an earlier product used (the forward's activation, met again by
-            # the weight-gradient product in the backward) stays in bf16 unless it is a
-            # weight: its float32 copy would be kept from the forward to the backward.
-            if not self.every and any(s in seen and not _is_weight(s) for s in sources):
+            if node.target not in _REWRITTEN:
                 continue
+            sources = [_source(a, dtype)[0] for a in node.args if _is(a, dtype)]
+            # A later use of a source (the weight-gradient product's activation, the
+            # attention backward's query, key, value and output) widens it again there.
+            if node.target is _ATTENTION_BACKWARD:
+                again = {_source(a, dtype)[0] for a in node.args[1:5] if _is(a, dtype)}
+            else:
+                again = {s for s in sources if s in seen}
             seen.update(sources)
             with graph.inserting_before(node):
-                args = tuple(_widen(graph, a, val.dtype, node, wide) for a in node.args)
-                out = graph.call_function(node.target, args, dict(node.kwargs))
-                out.meta["val"] = val.to(torch.float32)
-                down = graph.call_function(_prims.convert_element_type.default, (out, val.dtype))
-                down.meta["val"] = val
-            node.replace_all_uses_with(down)
-            graph.erase_node(node)
+                args = tuple(_widen(graph, a, dtype, node, wide, again) for a in node.args)
+                kwargs = {
+                    k: _widen(graph, v, dtype, node, wide, again) for k, v in node.kwargs.items()
+                }
+                wide_node = graph.call_function(node.target, args, kwargs)
+            _replace_outputs(graph, node, wide_node, dtype)
         graph.eliminate_dead_code()
 
     def uuid(self) -> Any:
-        extra = ",".join(map(str, self.dtypes)) + f",every={self.every}"
-        return get_hash_for_files((__file__,), extra=extra)
+        return get_hash_for_files((__file__,), extra=",".join(map(str, self.dtypes)))
+
+
+def _replace_outputs(
+    graph: torch.fx.Graph, node: torch.fx.Node, wide_node: torch.fx.Node, dtype: torch.dtype
+) -> None:
+    """Point ``node``'s users at ``wide_node``'s outputs, rounded back to ``dtype``."""
+    val = node.meta["val"]
+    if isinstance(val, torch.Tensor):
+        wide_node.meta["val"] = _float32(val, dtype)
+        with graph.inserting_after(wide_node):
+            down = graph.call_function(_prims.convert_element_type.default, (wide_node, dtype))
+        down.meta["val"] = val
+        node.replace_all_uses_with(down)
+    else:  # a tuple of outputs, read with getitem
+        wide_node.meta["val"] = tuple(_float32(v, dtype) for v in val)
+        for user in list(node.users):
+            if user.target is not operator.getitem:
+                raise NotImplementedError(f"{node.target} output used by {user.target}")
+            i = user.args[1]
+            with graph.inserting_before(user):
+                item = graph.call_function(operator.getitem, (wide_node, i))
+                item.meta["val"] = wide_node.meta["val"][i]
+                out = item
+                if _is(user, dtype):
+                    out = graph.call_function(_prims.convert_element_type.default, (item, dtype))
+                    out.meta["val"] = user.meta["val"]
+            user.replace_all_uses_with(out)
+            graph.erase_node(user)
+    graph.erase_node(node)
+
+
+def _float32(val: Any, dtype: torch.dtype) -> Any:
+    if isinstance(val, torch.Tensor) and val.dtype == dtype:
+        return val.to(torch.float32)
+    return val
 
 
 # Views a product's operand may reach it through; the widening is made once at their
@@ -158,31 +208,37 @@ def _widen(
     graph: torch.fx.Graph,
     arg: Any,
     dtype: torch.dtype,
-    gemm: torch.fx.Node,
+    node: torch.fx.Node,
     wide: dict[torch.fx.Node, torch.fx.Node],
+    again: set[torch.fx.Node],
 ) -> Any:
-    """``arg`` in float32: one widening per source tensor, shared by all its products.
+    """``arg`` in float32, as a view of its source's float32 copy.
 
-    A source used by the forward and the backward (a weight, a saved activation) gets
-    one float32 copy made where the source is made. A copy per use would let inductor
-    fuse every copy into the kernel that makes the source, and keep them all (one per
-    layout) alive from the forward to the backward.
+    A source's first use widens it once, where it is made, and later uses share that
+    copy. A source in ``again`` (an activation the forward made, used again in the
+    backward) is widened right before ``node`` by an extern call inductor cannot fuse
+    into the kernel that made it, so the copy is not kept from the forward on.
     """
     if not isinstance(arg, torch.fx.Node) or not _is(arg, dtype):
         return arg
     src, views = _source(arg, dtype)
-    if src not in wide:
-        anchor = src
-        if src.op == "placeholder":  # after every placeholder
-            anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
-        with graph.inserting_after(anchor):
-            w = graph.call_function(_prims.convert_element_type.default, (src, torch.float32))
-        w.meta["val"] = src.meta["val"].to(torch.float32)
-        wide[src] = w
-    out = wide[src]
+    if src in again:
+        with graph.inserting_before(node):
+            out = graph.call_function(_aten._autocast_to_full_precision.default, (src, False, True))
+        out.meta["val"] = src.meta["val"].to(torch.float32)
+    else:
+        if src not in wide:
+            anchor = src
+            if src.op == "placeholder":  # after every placeholder
+                anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+            with graph.inserting_after(anchor):
+                w = graph.call_function(_prims.convert_element_type.default, (src, torch.float32))
+            w.meta["val"] = src.meta["val"].to(torch.float32)
+            wide[src] = w
+        out = wide[src]
     for v in reversed(views):
         op: Any = v.target
-        with graph.inserting_before(gemm):
+        with graph.inserting_before(node):
             view = graph.call_function(op, (out, *v.args[1:]), dict(v.kwargs))
         view.meta["val"] = op(out.meta["val"], *v.args[1:], **v.kwargs)
         out = view
@@ -200,14 +256,6 @@ def _source(arg: torch.fx.Node, dtype: torch.dtype) -> tuple[torch.fx.Node, list
         views.append(src)
         src = base
     return src, views
-
-
-def _is_weight(src: torch.fx.Node) -> bool:
-    """A low-precision copy of a graph input (under autocast: of a parameter)."""
-    if src.op == "placeholder":
-        return True
-    base = src.args[0] if src.target == _prims.convert_element_type.default else None
-    return isinstance(base, torch.fx.Node) and base.op == "placeholder"
 
 
 def _is(node: Any, dtype: torch.dtype) -> bool:

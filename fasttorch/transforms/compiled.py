@@ -41,21 +41,20 @@ def compiled(
     which ``torch.compile(model)`` alone does not give: the optimizer and clipping only
     fuse when they are in the same graph as the backward.
 
-    On a CPU without bf16 (fp16) matrix units, ATen's bf16 (fp16) matrix products are
-    several times slower than float32 ones of the same shape. There, by default,
-    ``compiled`` computes the graph's bf16/fp16 ``mm``/``addmm``/``bmm`` on CPU tensors in
-    float32 from the same inputs and rounds the result once to bf16/fp16: products of
-    bf16 numbers are exact in float32 and both kernels accumulate in float32, so the
-    values agree up to the order of the sums (as between any two GEMM libraries).
-    ``cpu_gemm`` chooses:
+    On a CPU without bf16 (fp16) matrix units, ATen's bf16 (fp16) matrix products and
+    attention are several times slower than float32 ones of the same shape. There, by
+    default, ``compiled`` computes the graph's bf16/fp16 ``mm``/``addmm``/``bmm``/
+    ``baddbmm`` and CPU attention in float32 from the same inputs and rounds each result
+    once to bf16/fp16: products of bf16 numbers are exact in float32 and both kernels
+    accumulate in float32, so the values agree up to the order of the sums (as between
+    any two GEMM libraries); attention is more precise, as ATen's bf16 kernel rounds the
+    attention weights to bf16. An activation the backward reads again is widened again
+    right before that use rather than kept in float32, so the step's peak memory stays
+    that of bf16 plus the one widened operand in use. ``cpu_gemm`` chooses:
 
     * ``"auto"``: for each of bf16 and fp16 that the CPU lacks units for (AVX512-BF16 or
-      AMX for bf16, AMX-FP16 or AVX512-FP16 for fp16; only x86 CPUs are judged), every
-      product except those that would keep a float32 copy of an activation from the
-      forward to the backward (the weight-gradient products stay in bf16), so the
-      step's peak memory stays that of bf16 plus one float32 copy of each weight;
-    * ``"fp32"``: every bf16/fp16 product, on any CPU: faster still, and each such
-      activation is held in float32 too;
+      AMX for bf16, AMX-FP16 or AVX512-FP16 for fp16; only x86 CPUs are judged);
+    * ``"fp32"``: bf16 and fp16, on any CPU;
     * ``"native"``: none.
 
     GPU tensors are never touched: a step whose tensors are all on a GPU is compiled
@@ -67,7 +66,7 @@ def compiled(
         mode, fullgraph, dynamic, backend, options: as for :func:`torch.compile`;
             ``backend="aot_eager"`` checks graph capture without code generation.
         cpu_gemm: ``"auto"``, ``"fp32"`` or ``"native"``: how bf16/fp16 matrix
-            products on CPU tensors are computed (see above).
+            products and attention on CPU tensors are computed (see above).
 
     Example:
         >>> import torch, fasttorch
@@ -126,7 +125,7 @@ def _with_cpu_gemm(
     # the widening convert when both fuse, and multiply unrounded float32 values.
     set_emulate = "emulate_precision_casts" not in out
     out.setdefault("emulate_precision_casts", True)
-    mine = HalfGemmInFloat32(dtypes, every=cpu_gemm == "fp32", set_emulate=set_emulate)
+    mine = HalfGemmInFloat32(dtypes, set_emulate=set_emulate)
     theirs = out.get("post_grad_custom_pre_pass")
     if theirs is None:
         out["post_grad_custom_pre_pass"] = mine
