@@ -193,3 +193,14 @@ def set_hyperparams(opt_state: OptState, **values: float | Tensor) -> OptState:
             check_hyper("set_hyperparams", name, value)
             hyper[name] = torch.tensor(float(value), dtype=old.dtype, device=old.device)
     return opt_state.replace(hyper=hyper)
+
+
+def in_cpu_graph(tensors: list[Tensor]) -> bool:
+    """Whether ``tensors`` (CPU) are being traced into a compiled graph.
+
+    Inductor has no CPU lowering for ``_foreach_lerp`` with tensor weights: it stays an
+    ATen call, and the gradients it reads (unscaled, clipped) must be materialized
+    first, a copy the size of the parameters. Per-tensor ``lerp`` is lowered and fuses
+    with the arithmetic around it.
+    """
+    return bool(tensors) and tensors[0].device.type == "cpu" and torch.compiler.is_compiling()

@@ -13,6 +13,7 @@ from fasttorch.optim._base import (
     OptState,
     check_hyper,
     check_lr,
+    in_cpu_graph,
     make_hyper,
     params_device,
     scheduled_or_fixed_lr,
@@ -114,7 +115,11 @@ class Adam:
                 torch._foreach_add_(g, _foreach_mul(p, wd))
             # torch's exp_avg.lerp_(grad, 1 - beta1), with the weight as a tensor per
             # parameter dtype (a 0-d tensor scalar would be read back to the host).
-            torch._foreach_lerp_(m, g, _per_dtype(1 - beta1, m))
+            if in_cpu_graph(m):
+                w = 1 - beta1
+                m = [mi.lerp_(gi, w.to(mi.dtype)) for mi, gi in zip(m, g)]
+            else:
+                torch._foreach_lerp_(m, g, _per_dtype(1 - beta1, m))
             torch._foreach_mul_(v, beta2)
             torch._foreach_mul_(g, g)
             torch._foreach_mul_(g, 1 - beta2)
