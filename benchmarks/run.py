@@ -442,9 +442,9 @@ def render(
         "rather than generating them, so 1 / (B0's share) bounds what compiling the rest "
         "can gain over B0 while those kernels run as they are (the bound quoted for a "
         "missed speed-up target). On a CPU without bf16 units F1 does not leave them as "
-        "they are: fasttorch's `compiled` computes bf16 matrix products in float32 there "
-        "(`cpu_gemm`, docs/design.md), which is several times faster, so F1 can pass the "
-        "bound. "
+        "they are: fasttorch's `compiled` computes bf16 matrix products and attention in "
+        "float32 there (`cpu_gemm`, docs/design.md), which is several times faster, so F1 "
+        "can pass the bound. "
         "Loss@50 is the window loss at step 50 (bf16 rounding makes small differences).",
         "",
         "| | variant |",
