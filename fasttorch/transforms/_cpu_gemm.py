@@ -29,7 +29,7 @@ _HALF = (torch.bfloat16, torch.float16)
 _aten = torch.ops.aten
 _prims = torch.ops.prims
 # The matrix products of a post-grad graph (nn.Linear is addmm/mm, attention's
-# projections bmm); scaled_dot_product_attention keeps its own kernel.
+# projections bmm), and CPU attention's own kernels, forward and backward.
 _GEMMS = (_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default)
 _ATTENTION = _aten._scaled_dot_product_flash_attention_for_cpu.default
 _ATTENTION_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -94,15 +94,13 @@ class HalfGemmInFloat32(CustomGraphPass):
     activation would live from the forward to the backward, twice the bytes of the bf16
     one, and inductor fuses any widening into the kernel that makes its source. So:
 
-    * a source's first use widens it once, where it is made, and its products share
-      that copy; a weight (a graph input or its low-precision copy) keeps one float32
-      copy for the whole step;
-    * a later use of an activation widens it again right before that use, with ATen's
+    * a source's first use widens it once, where it is made;
+    * each later use of a source (an activation, or a weight's low-precision copy, met
+      again in the backward) widens it again right before that use, with ATen's
       ``_autocast_to_full_precision``, an extern call inductor cannot fuse into the
       forward, so the copy lives only for that product.
 
-    The step's peak memory is then that of bf16, plus one float32 copy of each weight
-    and of the one operand in use.
+    The step's peak memory is then that of bf16, plus the one widened operand in use.
 
     ``uuid`` covers this file and the settings, so inductor's graph cache tells
     rewritten graphs from others.
@@ -136,8 +134,8 @@ class HalfGemmInFloat32(CustomGraphPass):
             ):
                 continue  # outputs read other than by getitem: left as they are
             sources = [_source(a, dtype)[0] for a in node.args if _is(a, dtype)]
-            # A later use of a source (the weight-gradient product's activation, the
-            # attention backward's query, key, value and output) widens it again there.
+            # A later use of a source (the backward's use of an activation or a weight,
+            # the attention backward's query, key, value and output) widens it again.
             if node.target is _ATTENTION_BACKWARD:
                 again = {_source(a, dtype)[0] for a in node.args[1:5] if _is(a, dtype)}
             else:
