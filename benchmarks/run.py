@@ -3,8 +3,11 @@
 ``python -m benchmarks.run`` (about 15-20 minutes on 2 CPU cores; see ``--help``).
 
 Each variant runs in its own process (``benchmarks.worker``); rounds interleave the
-variants (every round runs each once, in order), at least 3 of them. Compilation and
-the warm-up steps are untimed; a run's time is the median of its blocks; a round whose
+variants (every round runs each once, in order), at least 3 of them. Within a round
+the timed blocks interleave too: the variants' processes compile and warm up one after
+another, then take turns, one block each (A B C, A B C, ...), so a change in the
+machine's speed during the round hits every variant alike. Compilation and the
+warm-up steps are untimed; a run's time is the median of its blocks; a round whose
 baseline (B0) time per step drifts more than 5% from the baseline's median over
 rounds is discarded, and the document says so. Round 0 compiles into a fresh
 ``TORCHINDUCTOR_CACHE_DIR`` per variant (cold); later rounds reuse it (warm).
@@ -17,11 +20,13 @@ import datetime
 import json
 import os
 import platform
+import queue
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +39,7 @@ ALL_VARIANTS = ("B0", "B1", "B2", "B3", "B4", "B5", "F0", "F1", "F2")
 GPU_ONLY = ("B3", "F2")
 STOCK = ("B1", "B2", "B3")
 MARK = "@@RESULT@@ "
+READY, BLOCK = "@@READY@@", "@@BLOCK@@ "  # as benchmarks.worker prints them
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,7 +63,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default="",
         help="OMP_WAIT_POLICY for the workers (default: unset, OpenMP's own, as users run)",
     )
-    p.add_argument("--timeout", type=float, default=900, help="seconds per worker process")
+    p.add_argument("--timeout", type=float, default=900, help="seconds a worker may take per stage")
+    p.add_argument(
+        "--gap", type=float, default=0.05, help="idle seconds between two workers' blocks"
+    )
     p.add_argument("--out", type=Path, default=DOC, help="the Markdown file to rewrite")
     p.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     p.add_argument(
@@ -102,43 +111,158 @@ def _omp_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def run_worker(
-    args: argparse.Namespace,
-    model: str,
-    variant: str,
-    precision: str,
-    device: str,
-    cache: Path,
-    extra: list[str],
-) -> dict[str, Any]:
-    """One worker process; returns its JSON result (with ``error`` when it failed)."""
-    env = _omp_env(args)
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [
+class Worker:
+    """One worker process in ``--serve`` mode, driven over its standard input and output.
+
+    A thread reads its output into a queue, so every wait has a deadline; its standard
+    error goes to a file (never a full pipe) and gives the reason when it fails.
+    """
+
+    def __init__(self, cmd: list[str], env: dict[str, str], timeout: float) -> None:
+        self.timeout = timeout
+        self.err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by finish)
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            text=True,
+            bufsize=1,
+            env=env,
+            cwd=ROOT,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.result: dict[str, Any] | None = None
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def _until(self, marker: str) -> str | None:
+        """The rest of the next line starting with ``marker``; ``None`` if it ended first.
+
+        A result line instead is kept as the worker's result (it failed, or finished).
+        """
+        deadline = time.perf_counter() + self.timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(deadline - time.perf_counter(), 0.0))
+            except queue.Empty:
+                self.fail(f"timed out after {self.timeout:.0f} s")
+                return None
+            if line is None:
+                if self.result is None:
+                    self.fail(f"worker exited {self.proc.wait()}")
+                return None
+            if line.startswith(MARK):
+                self.result = json.loads(line[len(MARK) :])
+                if marker == MARK:
+                    return line[len(MARK) :]
+            elif line.startswith(marker):
+                return line[len(marker) :]
+
+    def fail(self, why: str) -> None:
+        self.kill()
+        self.err.seek(0)
+        tail = self.err.read().strip().splitlines()[-3:]
+        self.result = {"error": f"{why}: {' | '.join(tail)[:300]}" if tail else why}
+
+    def ready(self) -> bool:
+        """Wait until it has compiled and warmed up; ``False`` if it failed instead."""
+        return self._until(READY) is not None and self.result is None
+
+    def block(self) -> bool:
+        """Run one timed block in it; ``False`` if it failed."""
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write("block\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # it died; _until reports how
+        return self._until(BLOCK) is not None and self.result is None
+
+    def finish(self) -> dict[str, Any]:
+        """Let it measure the rest and exit; its JSON result (with ``error`` if it failed)."""
+        if self.result is None:
+            assert self.proc.stdin is not None
+            try:
+                self.proc.stdin.write("done\n")
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            self._until(MARK)
+        self.kill()
+        self.err.close()
+        res = self.result or {"error": "no result"}
+        res["wall_s"] = time.perf_counter() - self.t0
+        return res
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def worker_cmd(
+    args: argparse.Namespace, model: str, variant: str, precision: str, device: str
+) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "benchmarks.worker",
         *("--model", model, "--variant", variant, "--precision", precision),
         *("--device", device, "--blocks", str(args.blocks), "--steps", str(args.steps)),
-        *("--warmup", str(args.warmup), "--loss-at", str(args.loss_at)),
-        *extra,
+        *("--warmup", str(args.warmup), "--loss-at", str(args.loss_at), "--serve"),
     ]
-    t0 = time.perf_counter()
+
+
+def run_round(
+    args: argparse.Namespace,
+    model: str,
+    variants: list[str],
+    precision: str,
+    device: str,
+    caches: dict[str, Path],
+    r: int,
+) -> dict[str, dict[str, Any]]:
+    """One round: every variant in its own process, their timed blocks interleaved.
+
+    The processes start one after another, each compiling and warming up while the
+    others wait idle (so compile times are measured alone); then they take turns, one
+    block each, ``blocks`` times over; then each measures the rest (profile) alone.
+    """
+    env = _omp_env(args)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    workers: dict[str, Worker] = {}
+    out: dict[str, dict[str, Any]] = {}
     try:
-        proc = subprocess.run(
-            cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=args.timeout
-        )
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout:.0f} s"}
-    wall = time.perf_counter() - t0
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(MARK):
-            res: dict[str, Any] = json.loads(line[len(MARK) :])
-            res["wall_s"] = wall
-            return res
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"error": f"worker exited {proc.returncode}: {' | '.join(tail)[:300]}"}
+        for v in variants:
+            cmd = worker_cmd(args, model, v, precision, device)
+            if r == 0:
+                cmd.append("--profile")
+                if device == "cuda" and model == "M3" and v == variants[0]:
+                    cmd.append("--matmul-peak")
+            w = Worker(cmd, {**env, "TORCHINDUCTOR_CACHE_DIR": str(caches[v])}, args.timeout)
+            workers[v] = w
+            if not w.ready():
+                out[v] = w.finish()
+        for _, v in schedule(variants, args.blocks):  # A B C, A B C, ...
+            if v in out:  # failed
+                continue
+            time.sleep(args.gap)  # let the last one's OpenMP threads go idle
+            if not workers[v].block():
+                out[v] = workers[v].finish()
+        for v in variants:
+            if v not in out:
+                out[v] = workers[v].finish()
+    finally:
+        for w in workers.values():
+            w.kill()
+    return {v: out[v] for v in variants}
 
 
 def run_model(
@@ -148,20 +272,15 @@ def run_model(
     caches = {v: Path(tempfile.mkdtemp(prefix=f"ft-bench-{model}-{v}-")) for v in variants}
     runs: dict[int, dict[str, dict[str, Any]]] = {}
     try:
-        for r, v in schedule(variants, args.rounds):
-            extra = []
-            if r == 0:
-                extra.append("--profile")
-                if device == "cuda" and model == "M3" and v == variants[0]:
-                    extra.append("--matmul-peak")
-            res = run_worker(args, model, v, precision, device, caches[v], extra)
-            res["round"], res["cold"] = r, r == 0
-            runs.setdefault(r, {})[v] = res
-            status = res.get("error") or (
-                f"{1e3 * per_step(res['blocks_s'], res['steps_per_block']):.2f} ms/step, "
-                f"first step {res['first_step_s']:.1f} s"
-            )
-            print(f"  {model} {precision} round {r} {v}: {status}", flush=True)
+        for r in range(args.rounds):
+            for v, res in run_round(args, model, variants, precision, device, caches, r).items():
+                res["round"], res["cold"] = r, r == 0
+                runs.setdefault(r, {})[v] = res
+                status = res.get("error") or (
+                    f"{1e3 * per_step(res['blocks_s'], res['steps_per_block']):.2f} ms/step, "
+                    f"first step {res['first_step_s']:.1f} s"
+                )
+                print(f"  {model} {precision} round {r} {v}: {status}", flush=True)
     finally:
         for d in caches.values():
             shutil.rmtree(d, ignore_errors=True)
@@ -224,8 +343,15 @@ def analyse(block: dict[str, Any], baseline: str = "B0", tol: float = 0.05) -> d
                 (x["bf16_matmul_tflops"] for x in res_all if "bf16_matmul_tflops" in x), None
             ),
         }
+    probes = [
+        res["isa_probe_s"]
+        for by_v in runs.values()
+        for res in by_v.values()
+        if res.get("cold") and res.get("isa_probe_s") and "error" not in res
+    ]
     return {
         "errors": errors,
+        "isa_probe_s": statistics.median(probes) if probes else None,
         "summary": summary,
         "discarded": discarded,
         "kept": kept,
@@ -392,7 +518,8 @@ def environment(args: argparse.Namespace, device: str) -> list[str]:
         f"- torch {tv}; {', '.join(versions)}; Python {platform.python_version()}",
         f"- worker environment: OMP_WAIT_POLICY={args.omp_wait_policy or 'unset'}, a fresh "
         "TORCHINDUCTOR_CACHE_DIR per variant (round 0: cold), reused in later rounds (warm)",
-        f"- rounds {args.rounds}, blocks {args.blocks} x {args.steps} steps, untimed warm-up "
+        f"- rounds {args.rounds}, blocks {args.blocks} x {args.steps} steps (the variants' "
+        "blocks taking turns within a round), untimed warm-up "
         f"max({args.warmup}, {args.loss_at} - 1) steps after the first (compiling) step; "
         f"drift limit {args.drift:.0%}"
         + (" (**--smoke: the numbers mean nothing**)" if args.smoke else ""),
@@ -423,7 +550,11 @@ def render(
         "synthetic windows: one optimizer step = 4 microbatches, autocast, clip to norm 1, "
         "AdamW (lr 1e-3, weight decay 0.01). Speed-ups are medians over the kept rounds of "
         'the per-round ratio to B0 (min-max over rounds in brackets); "x best stock" is '
-        "against the fastest of B1-B3. Compile time is the first step minus a median step. "
+        "against the fastest of B1-B3. Within a round each variant runs in its own "
+        "process and the processes take turns, one timed block each, so the machine's "
+        "drift hits them alike. Compile time is the first step minus a median step; in a "
+        "cold cache on a CPU it includes inductor's one-time probe of the C++ compiler's "
+        "vector instruction sets (timed on its own, the ISA probe line under each table). "
         '"Pays off after" is compile time over the time saved per step against B0. Host '
         "syncs are the profiler's `aten::_local_scalar_dense` events per step (on a CPU "
         "these are scalar reads, not device waits, but they are what a GPU would wait on). "
@@ -479,6 +610,13 @@ def render(
                 "B0 ms/step by round: "
                 + ", ".join(f"{r}: {1e3 * t:.2f}" for r, t in sorted(bt.items()))
                 + "."
+            )
+        probe = a.get("isa_probe_s")
+        if probe:
+            out.append(
+                f"Cold compiles include inductor's ISA probe, {probe:.1f} s (median over the "
+                "variants that compile): it runs once per cache directory, before any "
+                "kernel is compiled, whatever the model."
             )
         if a["discarded"]:
             out.append(

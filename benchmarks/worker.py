@@ -12,13 +12,20 @@ In order, in this process:
 4. ``blocks`` timed blocks of ``steps`` steps (the device is synchronized at block
    ends; nothing is read from the device inside a block); peak RSS over them
    (``VmHWM`` after resetting it through ``/proc/self/clear_refs``), and on a GPU
-   ``torch.cuda.max_memory_allocated``;
+   ``torch.cuda.max_memory_allocated``. With ``--serve`` the process prints
+   ``@@READY@@`` and then runs one block per ``block`` line on its standard input,
+   answering ``@@BLOCK@@ seconds``, until ``done``: ``run.py`` uses this to interleave
+   the blocks of all variants, so a change in the machine's speed hits them alike;
 5. with ``--profile``, a few more steps under ``torch.profiler``: host syncs per step
    (``aten::_local_scalar_dense`` events) and the peak of tensor bytes allocated
    within those steps (the profiler's memory events).
 
 The compile cache is ``TORCHINDUCTOR_CACHE_DIR``, set by the caller (``run.py`` gives a
-fresh directory for a cold compile, and the same one again for a warm one).
+fresh directory for a cold compile, and the same one again for a warm one). In a fresh
+directory inductor first compiles small probe programs to learn which vector
+instruction sets the C++ compiler supports, once per directory; on a CPU, for the
+variants that compile, the worker runs that probe just before the first step and times
+it (``isa_probe_s``), and ``compile_s`` includes it.
 """
 
 from __future__ import annotations
@@ -101,6 +108,8 @@ def _profile(run: Callable[[int], Any], n: int, device: torch.device) -> dict[st
     }
 
 
+EAGER = ("B0", "F0")  # the variants that compile nothing
+READY, BLOCK = "@@READY@@", "@@BLOCK@@ "
 EXTERN = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_mkldnn", "conv")
 
 
@@ -137,6 +146,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             last = v.step(data[done % len(data)])
             done += 1
 
+    isa_probe_s = 0.0
+    if device.type == "cpu" and args.variant not in EAGER:
+        from torch._inductor import cpu_vec_isa
+
+        t0 = time.perf_counter()
+        cpu_vec_isa.valid_vec_isa_list()  # what the first compile would do first
+        isa_probe_s = time.perf_counter() - t0
     sync()
     t0 = time.perf_counter()
     run(1)
@@ -159,12 +175,27 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     rss_before_kb = _proc_status_kb("VmRSS")
     hwm_reset = _reset_peak_rss()
-    blocks = []
-    for _ in range(args.blocks):
+    blocks: list[float] = []
+
+    def block() -> float:
         t0 = time.perf_counter()
         run(args.steps)
         sync()
         blocks.append(time.perf_counter() - t0)
+        return blocks[-1]
+
+    if args.serve:
+        print(READY, flush=True)
+        for line in sys.stdin:
+            if line.strip() == "block":
+                print(f"{BLOCK}{block():.6f}", flush=True)
+            elif line.strip() == "done":
+                break
+            else:
+                raise ValueError(f"--serve: unknown command {line.strip()!r}")
+    else:
+        for _ in range(args.blocks):
+            block()
     out: dict[str, Any] = {
         "model": args.model,
         "variant": args.variant,
@@ -172,6 +203,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "device": str(device),
         "n_params": n_params,
         "first_step_s": first_s,
+        "isa_probe_s": isa_probe_s,
         "blocks_s": blocks,
         "steps_per_block": args.steps,
         "warmup_steps": warm_to - 1,
@@ -185,7 +217,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     if blocks:
         median_step = statistics.median(blocks) / args.steps
-        out["compile_s"] = max(first_s - median_step, 0.0)
+        out["compile_s"] = max(first_s - median_step, 0.0) + isa_probe_s
     if device.type == "cuda":
         out["peak_cuda_alloc_mb"] = torch.cuda.max_memory_allocated() / 2**20
         out["first_step_peak_cuda_alloc_mb"] = first_peak / 2**20
@@ -227,6 +259,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true", help="count host syncs and memory")
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--matmul-peak", action="store_true", help="also measure bf16 matmul peak")
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="after the warm-up, run one timed block per 'block' line on stdin until 'done'",
+    )
     return p
 
 

@@ -149,3 +149,63 @@ def test_from_json_rewrites_the_document_without_running(tmp_path):
     (tmp_path / "bad.json").write_text("[]")
     proc = _suite("--from-json", str(tmp_path / "bad.json"), ok=False)
     assert "not a results file" in proc.stderr
+
+
+FAKE_WORKER = """
+import json, sys, time
+name, log = sys.argv[1], sys.argv[2]
+if name == "BAD":
+    print("boom", file=sys.stderr)
+    sys.exit(3)
+print("a line of the variant's own output")
+print("@@READY@@", flush=True)
+blocks = []
+for line in sys.stdin:
+    if line.strip() == "block":
+        if name == "HANG":
+            time.sleep(60)
+        with open(log, "a") as f:
+            f.write(name + "\\n")
+        blocks.append(0.01)
+        print("@@BLOCK@@ 0.01", flush=True)
+    elif line.strip() == "done":
+        break
+print("@@RESULT@@ " + json.dumps({"variant": name, "blocks_s": blocks}), flush=True)
+"""
+
+
+def test_a_rounds_blocks_take_turns_and_failures_are_reported(tmp_path, monkeypatch):
+    from benchmarks import run
+
+    fake, log = tmp_path / "fake_worker.py", tmp_path / "order.txt"
+    fake.write_text(FAKE_WORKER)
+    monkeypatch.setattr(
+        run, "worker_cmd", lambda args, m, v, p, d: [sys.executable, str(fake), v, str(log)]
+    )
+    args = run.parse(["--blocks", "3", "--gap", "0", "--timeout", "3"])
+    variants = ["A", "BAD", "B", "HANG", "C"]
+    out = run.run_round(args, "M1", variants, "bf16", "cpu", dict.fromkeys(variants, tmp_path), 1)
+    assert list(out) == variants
+    assert log.read_text().split() == ["A", "B", "C"] * 3
+    for v in "ABC":
+        assert out[v]["blocks_s"] == [0.01] * 3 and "error" not in out[v]
+    assert "exited 3" in out["BAD"]["error"] and "boom" in out["BAD"]["error"]
+    assert "timed out after 3 s" in out["HANG"]["error"]
+
+
+def test_the_isa_probe_of_cold_compiles_is_reported():
+    from benchmarks.run import analyse
+
+    def res(v: str, r: int, probe: float) -> dict:
+        out = {"blocks_s": [1.0] * 5, "steps_per_block": 100, "cold": r == 0}
+        if v != "B0":
+            out.update(compile_s=40.0 + probe, isa_probe_s=probe)
+        return out
+
+    runs = {
+        r: {v: res(v, r, p) for v, p in (("B0", 0.0), ("B1", 8.0), ("F1", 10.0 if r else 9.0))}
+        for r in range(3)
+    }
+    a = analyse({"runs": runs})
+    assert a["isa_probe_s"] == 8.5  # round 0's (cold) probes only
+    assert a["figures"]["F1"]["cold_s"] == 49.0
