@@ -1,6 +1,7 @@
 """The one command: run the benchmark suite and rewrite ``docs/benchmarks.md``.
 
-``python -m benchmarks.run`` (about 15-20 minutes on 2 CPU cores; see ``--help``).
+``python -m benchmarks.run`` (about an hour on 2 CPU cores for the CPU models; see
+``--help``).
 
 Each variant runs in its own process (``benchmarks.worker``); rounds interleave the
 variants (every round runs each once, in order), at least 3 of them. Within a round
