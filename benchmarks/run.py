@@ -616,8 +616,9 @@ def render(
         if probe:
             out.append(
                 f"Cold compiles include inductor's ISA probe, {probe:.1f} s (median over the "
-                "variants that compile): it runs once per cache directory, before any "
-                "kernel is compiled, whatever the model."
+                "variants that compile): once per cache directory, whatever the model; "
+                "`torch.compile` runs it in line before the first kernel, fasttorch's "
+                "`compiled` in a thread beside tracing."
             )
         if a["discarded"]:
             out.append(

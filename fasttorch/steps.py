@@ -21,6 +21,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import threading
 import types
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -837,11 +838,58 @@ def compile_step_fn(fn: Callable[..., Any], **options: Any) -> Callable[..., Any
         nonlocal compiled_fn
         if compiled_fn is None:  # on the first call, when the tensors' devices are known
             opts = _without_cpu_only_passes(options, (args, kwargs))
+            if _on_cpu((args, kwargs)):
+                probe_cpu_isa_early(opts)
             compiled_fn = torch.compile(code, **_with_fusion_cap(opts))
         with torch._dynamo.config.patch(trace_autograd_ops=True):
             return compiled_fn(*args, **kwargs)
 
     return run
+
+
+def _on_cpu(args: Any) -> bool:
+    return any(
+        isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in pytree.tree_leaves(args)
+    )
+
+
+_ISA_PROBE: list[threading.Thread] = []
+
+
+def probe_cpu_isa_early(options: dict[str, Any]) -> None:
+    """Start inductor's probe of the C++ compiler's vector instruction sets now, in a thread.
+
+    Before its first CPU kernel inductor compiles and loads a small program per
+    candidate instruction set (AVX512, AVX2, ...), once per process and, for the
+    compiler's part, once per cache directory: 7-16 s on 2 cores, during which the
+    compile waits. Started when the step is first called, it runs in the C++ compiler's
+    own processes beside dynamo's tracing and AOT autograd, which come first and need
+    no compiler; by the time code generation asks for the answer it is known. The
+    thread computes what inductor would (``cpu_vec_isa.valid_vec_isa_list``, cached
+    for the process), with the same configuration; where the caller's options change
+    the C++ toolchain (``cpp.*``) or the backend is not inductor, nothing is started and
+    inductor probes in line as usual. Once per process.
+    """
+    if _ISA_PROBE or options.get("backend", "inductor") != "inductor":
+        return
+    inner = options.get("options") or {}
+    if any(k == "cpp" or k.startswith("cpp.") for k in inner):
+        return
+    try:
+        from torch._inductor import cpu_vec_isa
+
+        probe = cpu_vec_isa.valid_vec_isa_list
+    except (ImportError, AttributeError):  # inductor reorganized: it probes in line
+        return
+
+    def run() -> None:
+        # On failure inductor probes again in line and reports it there.
+        with contextlib.suppress(Exception):
+            probe()
+
+    thread = threading.Thread(target=run, name="fasttorch-cpu-isa-probe", daemon=True)
+    _ISA_PROBE.append(thread)
+    thread.start()
 
 
 def _without_cpu_only_passes(options: dict[str, Any], args: Any) -> dict[str, Any]:
@@ -857,9 +905,7 @@ def _without_cpu_only_passes(options: dict[str, Any], args: Any) -> dict[str, An
     given = inner.get("post_grad_custom_pre_pass")
     passes = list(given) if isinstance(given, (list, tuple)) else [given]
     mine = [p for p in passes if getattr(p, "cpu_only", False)]
-    if not mine or any(
-        isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in pytree.tree_leaves(args)
-    ):
+    if not mine or _on_cpu(args):
         return options
     inner = dict(inner)
     rest = [p for p in passes if p is not None and p not in mine]

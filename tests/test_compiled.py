@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -72,8 +73,20 @@ def test_compiled_equals_eager_with_aot_eager():
 
 
 @pytest.mark.slow
-def test_inductor_tiny_model_matches_eager():
+def test_inductor_tiny_model_matches_eager(monkeypatch):
     """The one test here that pays for inductor's code generation."""
+    from torch._inductor import cpu_vec_isa
+
+    from fasttorch import steps
+
+    real_probe, callers = cpu_vec_isa.valid_vec_isa_list, []
+
+    def probe():
+        callers.append(threading.current_thread().name)
+        return real_probe()
+
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", probe)
+    monkeypatch.setattr(steps, "_ISA_PROBE", [])
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     data = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(4)]
@@ -89,6 +102,54 @@ def test_inductor_tiny_model_matches_eager():
     for k in results[0]:
         torch.testing.assert_close(results[0][k], results[1][k], rtol=1e-5, atol=1e-6)
     assert not counters["graph_break"]
+    assert callers[0] == "fasttorch-cpu-isa-probe", callers  # started before inductor asked
+
+
+def test_the_cpu_isa_probe_starts_once_and_only_where_inductor_will_want_it(monkeypatch):
+    from torch._inductor import cpu_vec_isa
+
+    from fasttorch import steps
+
+    callers: list[str] = []
+    monkeypatch.setattr(
+        cpu_vec_isa,
+        "valid_vec_isa_list",
+        lambda: callers.append(threading.current_thread().name) or [],
+    )
+
+    def started(options):
+        monkeypatch.setattr(steps, "_ISA_PROBE", [])
+        callers.clear()
+        steps.probe_cpu_isa_early(options)
+        for t in steps._ISA_PROBE:
+            t.join(timeout=10)
+        return callers == ["fasttorch-cpu-isa-probe"]
+
+    assert started({"backend": "inductor"})
+    assert started({"backend": "inductor", "options": {"max_autotune": True}})
+    assert not started({"backend": "aot_eager"})
+    # A different C++ toolchain or ISA: inductor's own in-line probe must see the options.
+    assert not started({"backend": "inductor", "options": {"cpp.simdlen": 256}})
+    assert not started({"backend": "inductor", "options": {"cpp": {"cxx": ("g++",)}}})
+    # Once per process.
+    monkeypatch.setattr(steps, "_ISA_PROBE", [])
+    steps.probe_cpu_isa_early({"backend": "inductor"})
+    steps.probe_cpu_isa_early({"backend": "inductor"})
+    assert len(steps._ISA_PROBE) == 1
+    steps._ISA_PROBE[0].join(timeout=10)
+    assert callers.count("fasttorch-cpu-isa-probe") == 1
+
+
+def test_the_cpu_isa_probe_is_not_started_for_a_gpu_step_or_another_backend(monkeypatch):
+    from fasttorch import steps
+
+    seen: list[dict] = []
+    monkeypatch.setattr(steps, "probe_cpu_isa_early", lambda opts: seen.append(opts))
+    state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.sgd(0.1))
+    fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")(state, next(iter(batches(1, 8))))
+    assert len(seen) == 1, "a CPU step asks on its first call; the backend is judged inside"
+    assert not steps._on_cpu(({"w": torch.empty(2, device="meta")}, None))
+    assert steps._on_cpu(({"w": torch.empty(2)}, None))
 
 
 def test_compiles_any_state_batch_callable():
