@@ -42,6 +42,7 @@ __all__ = [
     "Loss",
     "Step",
     "global_norm",
+    "scale_grads",
     "step",
 ]
 
@@ -464,7 +465,7 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         inv = reciprocal(g.scale)
         if norm is None:
             norm = global_norm(grads) * inv
-        torch._foreach_mul_(list(grads.values()), inv)  # the update phase owns g.grads
+        grads = scale_grads(grads, inv)
     elif norm is None:
         norm = global_norm(grads)
     opt = state.optimizer
@@ -498,9 +499,34 @@ def reciprocal(scale: torch.Tensor) -> torch.Tensor:
     return scale.double().reciprocal().float()
 
 
+def scale_grads(grads: Mapping[str, torch.Tensor], factor: torch.Tensor) -> Tensors:
+    """``grads`` times ``factor``: in place in eager mode (the update phase owns them).
+
+    In a graph, out of place: an in-place multiply of a graph input (the accumulation
+    window's gradients) would be written back into it, a copy of every gradient for
+    nothing. The same multiplication either way, so the same bits.
+    """
+    ts = list(grads.values())
+    if torch.compiler.is_compiling():
+        return dict(zip(grads, torch._foreach_mul(ts, factor)))
+    torch._foreach_mul_(ts, factor)
+    return dict(grads)
+
+
 def global_norm(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Global L2 norm, computed as ``torch.nn.utils.clip_grad_norm_`` does."""
-    norms = torch._foreach_norm(list(tensors.values()))
+    """Global L2 norm, computed as ``torch.nn.utils.clip_grad_norm_`` does.
+
+    In a CPU graph the per-tensor norms are ``linalg.vector_norm`` reductions, which
+    inductor generates and fuses with what computes the gradients (the mean over an
+    accumulation window); ``_foreach_norm`` has no CPU lowering and would need every
+    gradient written out first for the ATen call. On CPU ``_foreach_norm`` is that same
+    per-tensor call in eager mode.
+    """
+    ts = list(tensors.values())
+    if ts and ts[0].device.type == "cpu" and torch.compiler.is_compiling():
+        norms = [torch.linalg.vector_norm(t) for t in ts]
+    else:
+        norms = list(torch._foreach_norm(ts))
     total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms))
     return total
 
@@ -728,7 +754,10 @@ class _Kernels:
         ts = list(sums.values())
         if divisor is None:
             pass
-        elif owned:
+        elif owned and not torch.compiler.is_compiling():
+            # In place saves an allocation in eager mode. In a graph it would make the
+            # graph write the quotients back into its input, the window: a copy of every
+            # gradient that the next window's zeroing throws away.
             torch._foreach_div_(ts, divisor)
         else:
             ts = list(torch._foreach_div(ts, divisor))

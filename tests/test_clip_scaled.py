@@ -90,3 +90,66 @@ def test_disabled_and_bad_arguments():
             fasttorch.clip_scaled(s, bad)
     with pytest.raises(TypeError, match="max_norm must be a number"):
         fasttorch.clip_scaled(s, "1.0")
+
+
+def _update_graph_writes(step_fn) -> tuple[int, int]:
+    """(non-scalar input tensors the compiled update graph writes, parameters)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(gm, _inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=record, keep_inference_input_mutations=True)
+    model = LayerNormNet()
+    state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(1e-2))
+    n_params = len(state.params)
+    fast = fasttorch.compiled(step_fn, backend=backend)
+    x, y = batches(1, 16)[0]
+    fast(state, (x, y))
+    (update,) = [g for g in graphs if "sqrt" in str(g.code)]  # AdamW's denominator
+    placeholders = {n for n in update.graph.nodes if n.op == "placeholder"}
+    writes = {
+        n.args[0]
+        for n in update.graph.nodes
+        if n.target is torch.ops.aten.copy_.default
+        and n.args[0] in placeholders
+        and n.args[0].meta["val"].dim() > 0  # not the step count or the loss scale
+    }
+    return len(writes), n_params
+
+
+def test_a_compiled_update_writes_only_the_donated_state_not_the_window():
+    """Parameters and both moments are written back (donation); the window's gradients,
+    which the next window zeroes, are not written with their mean or clipped values."""
+    for scale_too in (False, True):
+        s = fasttorch.grad_accumulate(fasttorch.step(mse), 2)
+        if scale_too:
+            s = fasttorch.with_amp(s, "fp16")
+        writes, n = _update_graph_writes(fasttorch.clip_scaled(s, 1.0))
+        assert writes == 3 * n, (writes, n)  # parameters, exp_avg, exp_avg_sq
+
+
+def test_in_a_cpu_graph_the_global_norm_is_the_eager_norm_bit_for_bit():
+    from fasttorch.steps import global_norm
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randn(37 * (i + 1), 5, generator=g) * 10**i for i in range(6)}
+    eager = global_norm(tensors)
+    traced = torch.compile(global_norm, backend="aot_eager", fullgraph=True)(tensors)
+    assert torch.equal(eager, traced)
+
+
+def test_scale_grads_is_in_place_in_eager_mode_and_out_of_place_in_a_graph():
+    from fasttorch.steps import scale_grads
+
+    grads = {"a": torch.ones(3), "b": torch.full((2,), 2.0)}
+    out = scale_grads(grads, torch.tensor(0.5))
+    assert out["a"] is grads["a"] and torch.equal(grads["b"], torch.ones(2))
+    grads = {"a": torch.ones(3), "b": torch.full((2,), 2.0)}
+    out = torch.compile(scale_grads, backend="aot_eager", fullgraph=True)(grads, torch.tensor(0.5))
+    assert torch.equal(grads["a"], torch.ones(3)), "a graph input is left as it was"
+    assert torch.equal(out["a"], torch.full((3,), 0.5)) and torch.equal(out["b"], torch.ones(2))

@@ -145,6 +145,8 @@ class Adam:
             if inplace:
                 for mi, di in zip(m, denom):
                     torch.div(mi, di, out=di)
+            elif torch.compiler.is_compiling():
+                g = list(torch._foreach_div(m, denom))  # the graph plans its own memory
             else:
                 # m / denom * step_size, written over g (spent); a copy is exact.
                 torch._foreach_copy_(g, m)

@@ -7,7 +7,15 @@ import math
 import torch
 
 from fasttorch.state import TrainState
-from fasttorch.steps import GradOut, Metrics, Step, check_wrap, global_norm, reciprocal
+from fasttorch.steps import (
+    GradOut,
+    Metrics,
+    Step,
+    check_wrap,
+    global_norm,
+    reciprocal,
+    scale_grads,
+)
 
 __all__ = ["clip_scaled"]
 
@@ -67,8 +75,8 @@ def clip_scaled(step: Step, max_norm: float) -> Step:
                 norm = norm * inv
         coef = torch.clamp(limit / (norm + 1e-6), max=1.0)
         factor = coef if inv is None else coef * inv
-        torch._foreach_mul_(list(g.grads.values()), factor)  # the update phase owns g.grads
+        grads = scale_grads(g.grads, factor)
         del coef, factor, inv  # not held through the update, where memory peaks
-        return inner(state, g.replace(scale=None, norm=norm))
+        return inner(state, g.replace(grads=grads, scale=None, norm=norm))
 
     return step.with_phases("clip_scaled", update=update)
