@@ -555,7 +555,7 @@ def render(
         "process and the processes take turns, one timed block each, so the machine's "
         "drift hits them alike. Compile time is the first step minus a median step; in a "
         "cold cache on a CPU it includes inductor's one-time probe of the C++ compiler's "
-        "vector instruction sets (timed on its own, the ISA probe line under each table). "
+        "vector instruction sets (timed where it runs; the ISA probe line under each table). "
         '"Pays off after" is compile time over the time saved per step against B0. Host '
         "syncs are the profiler's `aten::_local_scalar_dense` events per step (on a CPU "
         "these are scalar reads, not device waits, but they are what a GPU would wait on). "
