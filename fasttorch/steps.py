@@ -21,6 +21,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import logging
 import threading
 import types
 import weakref
@@ -657,17 +658,19 @@ class _Kernels:
 
     def __init__(self, step: Step) -> None:
         self.step = step
-        wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+        wrap: Callable[..., Callable[..., Any]]
         if step.compile_options is None:
             wrap = _identity
         else:
             options = dict(step.compile_options)
 
-            def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
-                return compile_step_fn(f, **options)
+            def wrap(f: Callable[..., Any], cpp_wrapper: bool = False) -> Callable[..., Any]:
+                return compile_step_fn(f, cpp_wrapper_on_cpu=cpp_wrapper, **options)
 
         self.full = wrap(self._full)
-        self.micro = wrap(self._micro)
+        # The microbatch graph (forward, backward, accumulation) gets inductor's C++
+        # wrapper on CPU; the update graph keeps the Python one (see compile_step_fn).
+        self.micro = wrap(self._micro, cpp_wrapper=True)
         self.close = wrap(self._close)
         # Data parallel: the last microbatch runs eagerly around a compiled forward
         # (its backward hooks launch collectives), then the update is one graph.
@@ -844,17 +847,28 @@ def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     return copy
 
 
-def _identity(f: Callable[..., Any]) -> Callable[..., Any]:
+def _identity(f: Callable[..., Any], cpp_wrapper: bool = False) -> Callable[..., Any]:
     return f
 
 
-def compile_step_fn(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+def compile_step_fn(
+    fn: Callable[..., Any], *, cpp_wrapper_on_cpu: bool = False, **options: Any
+) -> Callable[..., Any]:
     """``torch.compile(fn)``, called with dynamo allowed to trace ``torch.autograd.grad``.
 
     ``fn`` gets a code object of its own first: dynamo caches compiled graphs per code
     object, and every step's kernels share the same source, so without a copy each
     further compiled step in a process would count as a recompile of the first one (and
     with ``fullgraph=True`` the ninth would fail on dynamo's recompile limit).
+
+    ``cpp_wrapper_on_cpu``: when every tensor of the first call is on the CPU and the
+    backend is inductor, compile with inductor's C++ wrapper (``cpp_wrapper=True``)
+    unless the caller's options set it. The graph then calls its kernels from C++
+    instead of from a Python function: a forward and backward with hundreds of small
+    kernels runs 14-24% faster per step on the benchmark models, and its kernels
+    compile as one file. The update graph does not get it: its single kernel with a
+    few hundred arguments took longer to compile as part of a C++ wrapper (docs/design.md,
+    "Compile time").
     """
     if isinstance(options.get("options"), dict):
         # torch.compile pops entries (guard_filter_fn) from this dict: one per kernel.
@@ -869,7 +883,10 @@ def compile_step_fn(fn: Callable[..., Any], **options: Any) -> Callable[..., Any
             opts = _without_cpu_only_passes(options, (args, kwargs))
             if _on_cpu((args, kwargs)):
                 probe_cpu_isa_early(opts)
-            compiled_fn = torch.compile(code, **_with_fusion_cap(opts))
+            opts = _with_fusion_cap(opts)
+            if cpp_wrapper_on_cpu and _only_on_cpu((args, kwargs)):
+                opts = _with_cpp_wrapper(opts)
+            compiled_fn = torch.compile(code, **opts)
         with torch._dynamo.config.patch(trace_autograd_ops=True):
             return compiled_fn(*args, **kwargs)
 
@@ -880,6 +897,49 @@ def _on_cpu(args: Any) -> bool:
     return any(
         isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in pytree.tree_leaves(args)
     )
+
+
+def _only_on_cpu(args: Any) -> bool:
+    devices = {t.device.type for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)}
+    return devices == {"cpu"}
+
+
+def _with_cpp_wrapper(options: dict[str, Any]) -> dict[str, Any]:
+    """Inductor's options with ``cpp_wrapper=True``, unless the caller set it (any value)."""
+    if options.get("backend", "inductor") != "inductor":
+        return options
+    inner = dict(options.get("options") or {})
+    inner.setdefault("cpp_wrapper", True)
+    _quiet_known_proxy_calls()
+    return {**options, "options": inner}
+
+
+# ATen ops that compiled's own graph rewrites call as extern kernels, and that have no C
+# shim: a C++ wrapper calls them through inductor's proxy executor (measured: the step is
+# still faster than with the Python wrapper). Inductor logs a warning for each such
+# call site at every cold compile; for these it says nothing the user can act on.
+_PROXY_CALLS_OF_OURS = frozenset({"aten._autocast_to_full_precision.default"})
+
+
+class _KnownProxyCalls(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            isinstance(record.msg, str)
+            and record.msg.startswith("%s is missing a c-shim implementation")
+            and isinstance(record.args, tuple)
+            and len(record.args) == 1
+            and str(record.args[0]) in _PROXY_CALLS_OF_OURS
+        )
+
+
+_PROXY_FILTER = _KnownProxyCalls()
+
+
+def _quiet_known_proxy_calls() -> None:
+    """Drop inductor's proxy-executor warning for ``_PROXY_CALLS_OF_OURS`` only (once)."""
+    logger = logging.getLogger("torch._inductor.ir")
+    if _PROXY_FILTER not in logger.filters:
+        logger.addFilter(_PROXY_FILTER)
 
 
 _ISA_PROBE: list[threading.Thread] = []

@@ -209,3 +209,37 @@ def test_the_isa_probe_of_cold_compiles_is_reported():
     a = analyse({"runs": runs})
     assert a["isa_probe_s"] == 8.5  # round 0's (cold) probes only
     assert a["figures"]["F1"]["cold_s"] == 49.0
+
+
+def test_update_graph_forms_compute_the_same_update():
+    """benchmarks.update_graph compares forms of one update: they must agree (eagerly here).
+
+    The per-tensor forms run the same kernels in the same order as each other and give
+    the same bits; the lean and flat forms sum the norm in another order, so they agree
+    to float32 rounding. The clip is active (the gradient's norm is above 1).
+    """
+    import torch
+
+    from benchmarks.update_graph import FORMS, make_form
+
+    shapes = [torch.Size([512, 256]), torch.Size([256]), torch.Size([3, 5, 2])]
+    out = {}
+    for form in FORMS:
+        fn, result = make_form(form, shapes)
+        before = result()
+        fn()
+        out[form] = result()
+        assert any(not torch.equal(before[k], out[form][k]) for k in before), form
+    ref = out["per-parameter"]
+    for k in ("params", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(out["opaque-optimizer"][k], ref[k])
+        for form in ("per-parameter-lean", "flat"):
+            torch.testing.assert_close(out[form][k], ref[k], rtol=1e-5, atol=1e-7)
+    gen = torch.Generator().manual_seed(0)
+    [torch.randn(s, generator=gen) for s in shapes]  # the parameters come first
+    grads = torch.cat([(torch.randn(s, generator=gen) * 1e-2).reshape(-1) for s in shapes])
+    assert torch.linalg.vector_norm(grads / 2.0) > 1.5  # the window's mean: clipped
+    assert torch.equal(out["window-slices"]["window"], grads)
+    assert torch.equal(out["window-cat"]["window"], grads)
+    with pytest.raises(ValueError, match="unknown form"):
+        make_form("fused", shapes)

@@ -228,3 +228,81 @@ def test_inductor_gets_the_fusion_search_cap_unless_told_otherwise():
     ro = _with_fusion_cap({"backend": "inductor", "mode": "reduce-overhead"})
     assert "mode" not in ro and ro["options"] == {"triton.cudagraphs": True, key: FUSION_ATTEMPTS}
     torch.compile(lambda x: x, **ro)  # accepted
+
+
+def test_on_cpu_the_microbatch_graph_gets_the_cpp_wrapper_and_the_update_graph_does_not(
+    monkeypatch,
+):
+    """What reaches torch.compile for each kernel (recorded; the kernels then run eagerly)."""
+    from fasttorch import steps
+
+    seen = []
+
+    def record(fn, **kwargs):
+        seen.append((fn.__name__, kwargs.get("options")))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", record)
+    monkeypatch.setattr(steps, "_ISA_PROBE", [object()])  # no probe thread from here
+
+    def kernels_options(**compile_kwargs):
+        seen.clear()
+        torch.manual_seed(0)
+        state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.adamw(1e-2))
+        step = fasttorch.compiled(
+            fasttorch.grad_accumulate(fasttorch.step(mse), 2), cpu_gemm="native", **compile_kwargs
+        )
+        step(state, batches(1, 8)[0])
+        return dict(seen)
+
+    got = kernels_options()
+    assert set(got) == {"_micro", "_close"}, got
+    assert got["_micro"]["cpp_wrapper"] is True
+    assert "cpp_wrapper" not in got["_close"]
+    # the caller's choice stands, either way
+    assert kernels_options(options={"cpp_wrapper": False})["_micro"]["cpp_wrapper"] is False
+    assert kernels_options(options={"cpp_wrapper": True})["_close"]["cpp_wrapper"] is True
+    # other backends take no inductor options
+    assert kernels_options(backend="aot_eager")["_micro"] is None
+
+
+def test_the_cpp_wrapper_is_for_graphs_whose_tensors_are_all_on_the_cpu():
+    from fasttorch.steps import _only_on_cpu, _with_cpp_wrapper
+
+    cpu, meta = torch.zeros(1), torch.zeros(1, device="meta")
+    assert _only_on_cpu(({"a": cpu}, [cpu], 3))
+    assert not _only_on_cpu(({"a": cpu}, meta))
+    assert not _only_on_cpu((meta,))
+    assert not _only_on_cpu((1, "x"))
+    opts = {"backend": "inductor", "options": {"max_autotune": True}}
+    assert _with_cpp_wrapper(opts)["options"] == {"max_autotune": True, "cpp_wrapper": True}
+    assert opts["options"] == {"max_autotune": True}, "the caller's dict is left as it was"
+    assert _with_cpp_wrapper({"backend": "aot_eager"}) == {"backend": "aot_eager"}
+
+
+def test_inductor_says_nothing_of_the_proxy_calls_our_own_rewrite_makes():
+    """A C++ wrapper reaches ops without a C shim through a proxy executor, and inductor
+    warns at each such call site; for the widening the float32 pass inserts, that says
+    nothing a user can act on. Every other op still gets its warning."""
+    import logging
+
+    from fasttorch.steps import _with_cpp_wrapper
+
+    logger = logging.getLogger("torch._inductor.ir")
+    got: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            got.append(record.getMessage())
+
+    handler = Keep()
+    logger.addHandler(handler)
+    try:
+        _with_cpp_wrapper({"backend": "inductor"})
+        msg = "%s is missing a c-shim implementation, using proxy executor as fallback"
+        logger.warning(msg, torch.ops.aten._autocast_to_full_precision.default)
+        logger.warning(msg, torch.ops.aten._fft_r2c.default)
+        logger.warning("something else entirely")
+    finally:
+        logger.removeHandler(handler)
+    assert got == [msg % "aten._fft_r2c.default", "something else entirely"]
