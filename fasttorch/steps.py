@@ -865,7 +865,7 @@ def compile_step_fn(
     backend is inductor, compile with inductor's C++ wrapper (``cpp_wrapper=True``)
     unless the caller's options set it. The graph then calls its kernels from C++
     instead of from a Python function: a forward and backward with hundreds of small
-    kernels runs 14-24% faster per step on the benchmark models, and its kernels
+    kernels runs 15-26% faster per step on the benchmark models, and its kernels
     compile as one file. The update graph does not get it: its single kernel with a
     few hundred arguments took longer to compile as part of a C++ wrapper (docs/design.md,
     "Compile time").
