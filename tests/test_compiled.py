@@ -258,7 +258,9 @@ def test_on_cpu_the_microbatch_graph_gets_the_cpp_wrapper_and_the_update_graph_d
     got = kernels_options()
     assert set(got) == {"_micro", "_close"}, got
     assert got["_micro"]["cpp_wrapper"] is True
+    assert got["_micro"]["cpp_wrapper_build_separate"] is True
     assert "cpp_wrapper" not in got["_close"]
+    assert "cpp_wrapper_build_separate" not in got["_close"]
     # the caller's choice stands, either way
     assert kernels_options(options={"cpp_wrapper": False})["_micro"]["cpp_wrapper"] is False
     assert kernels_options(options={"cpp_wrapper": True})["_close"]["cpp_wrapper"] is True
@@ -275,8 +277,16 @@ def test_the_cpp_wrapper_is_for_graphs_whose_tensors_are_all_on_the_cpu():
     assert not _only_on_cpu((meta,))
     assert not _only_on_cpu((1, "x"))
     opts = {"backend": "inductor", "options": {"max_autotune": True}}
-    assert _with_cpp_wrapper(opts)["options"] == {"max_autotune": True, "cpp_wrapper": True}
+    assert _with_cpp_wrapper(opts)["options"] == {
+        "max_autotune": True,
+        "cpp_wrapper": True,
+        "cpp_wrapper_build_separate": True,
+    }
     assert opts["options"] == {"max_autotune": True}, "the caller's dict is left as it was"
+    # the caller's choice of a one-file build stands
+    mine = {"backend": "inductor", "options": {"cpp_wrapper_build_separate": False}}
+    assert _with_cpp_wrapper(mine)["options"]["cpp_wrapper_build_separate"] is False
+    torch.compile(lambda x: x, **_with_cpp_wrapper(opts))  # options torch accepts
     assert _with_cpp_wrapper({"backend": "aot_eager"}) == {"backend": "aot_eager"}
 
 
