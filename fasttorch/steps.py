@@ -35,6 +35,7 @@ from torch.func import functional_call
 
 from fasttorch import struct
 from fasttorch._rng import scoped_rng
+from fasttorch.optim._base import computed_once
 from fasttorch.state import TrainState, check_alive, mark_donated
 
 __all__ = [
@@ -508,6 +509,10 @@ def scale_grads(grads: Mapping[str, torch.Tensor], factor: torch.Tensor) -> Tens
     nothing. The same multiplication either way, so the same bits.
     """
     ts = list(grads.values())
+    if ts and ts[0].device.type == "cpu" and torch.compiler.is_compiling():
+        # a multiply per tensor by a factor computed once (computed_once)
+        (factor,) = computed_once(factor)
+        return {k: t * factor for k, t in grads.items()}
     if torch.compiler.is_compiling():
         return dict(zip(grads, torch._foreach_mul(ts, factor)))
     torch._foreach_mul_(ts, factor)

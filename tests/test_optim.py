@@ -284,3 +284,89 @@ def test_set_hyperparams_errors() -> None:
     new = optim.set_hyperparams(state, lr=torch.tensor(0.5, dtype=torch.float64))
     assert new.hyper["lr"].dtype == torch.float32 and float(new.hyper["lr"]) == 0.5
     assert float(state.hyper["lr"]) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [
+        optim.adam(0.1, weight_decay=0.1),
+        optim.adamw(0.05, betas=(0.3, 0.99), weight_decay=0.1),
+        optim.adamw(schedules.one_cycle(0.1, 20), weight_decay=0.01),
+    ],
+    ids=["adam_l2", "adamw_small_beta1", "adamw_scheduled"],
+)
+def test_adam_in_a_cpu_graph_gives_the_eager_bits(opt: Any) -> None:
+    """In a CPU graph Adam runs per tensor with its factors computed once; traced and
+    run op by op (aot_eager), that form must give what the _foreach form gives."""
+    torch._dynamo.reset()
+    update: Callable[..., Any] = torch.compile(opt.update, fullgraph=True, backend="aot_eager")
+    model = _model()
+    params = _params(model)
+    grads = _grads(model, 8)
+    state = opt.init(params)
+    eager_params, eager_state = params, state
+    for k in range(8):
+        step = torch.tensor(k)
+        params, state = update(params, grads[k], state, step)
+        eager_params, eager_state = opt.update(eager_params, grads[k], eager_state, step)
+    for n in params:
+        assert torch.equal(params[n], eager_params[n]), n
+        for slot in state.slots:
+            assert torch.equal(state.slots[slot][n], eager_state.slots[slot][n]), (slot, n)
+
+
+def test_computed_once_gives_back_the_scalars_outside_a_cpu_graph() -> None:
+    from fasttorch.optim._base import computed_once
+
+    a, b = torch.tensor(0.5), torch.tensor(2.0, dtype=torch.float64)
+    got = computed_once(a, b)
+    assert got[0] is a and got[1] is b
+
+
+def test_computed_once_keeps_values_and_dtypes_in_a_graph() -> None:
+    from fasttorch.optim._base import computed_once
+
+    def f(*xs: Tensor) -> tuple[Tensor, ...]:
+        return computed_once(*(x * 3 for x in xs))
+
+    xs = (
+        torch.tensor(1 / 3),
+        torch.tensor(0.1, dtype=torch.bfloat16),
+        torch.tensor(1e-300, dtype=torch.float64),
+    )
+    traced = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for args in (xs, xs[:1]):
+        got, want = traced(*args), f(*args)
+        assert [g.dtype for g in got] == [w.dtype for w in want]
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for bad in (torch.ones(2), torch.tensor(1)):
+        with pytest.raises(ValueError, match="0-d floating-point"):
+            computed_once(bad)
+
+
+def test_inductor_computes_a_shared_factor_once_when_asked() -> None:
+    """The generated code holds the 0-d chain once, not once per tensor that reads it."""
+    from torch._inductor.utils import run_and_get_code
+
+    from fasttorch.optim._base import computed_once
+
+    def scaled(once: bool) -> Callable[..., list[Tensor]]:
+        def f(ts: list[Tensor], beta: Tensor, t: Tensor) -> list[Tensor]:
+            c = (1 - beta ** t.to(torch.float64)).sqrt()
+            if once:
+                (c,) = computed_once(c)
+            return [x / c for x in ts]
+
+        return f
+
+    args = (
+        [torch.randn(37), torch.randn(5, 7), torch.randn(300)],
+        torch.tensor(0.99),
+        torch.tensor(3),
+    )
+    pows = {}
+    for once in (True, False):
+        out, code = run_and_get_code(torch.compile(scaled(once), fullgraph=True), *args)
+        assert all(torch.equal(o, r) for o, r in zip(out, scaled(False)(*args)))
+        pows[once] = "\n".join(code).count("std::pow")
+    assert pows[True] == 1 and pows[False] >= 3, pows

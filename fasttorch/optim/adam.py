@@ -13,6 +13,7 @@ from fasttorch.optim._base import (
     OptState,
     check_hyper,
     check_lr,
+    computed_once,
     in_cpu_graph,
     make_hyper,
     params_device,
@@ -107,6 +108,10 @@ class Adam:
             g = [grads[n] for n in names]
             m = [opt_state.slots["exp_avg"][n] for n in names]
             v = [opt_state.slots["exp_avg_sq"][n] for n in names]
+            if in_cpu_graph(p) and not inplace:
+                p, m, v = self._graph_update(p, g, m, v, lr, count, h)
+                slots = {"exp_avg": dict(zip(names, m)), "exp_avg_sq": dict(zip(names, v))}
+                return dict(zip(names, p)), opt_state.replace(count=count, slots=slots)
             if not inplace:
                 p, g, m, v = ([t.clone() for t in ts] for ts in (p, g, m, v))
             if self.decoupled_weight_decay:
@@ -155,6 +160,43 @@ class Adam:
             torch._foreach_sub_(p, g)
         slots = {"exp_avg": dict(zip(names, m)), "exp_avg_sq": dict(zip(names, v))}
         return dict(zip(names, p)), opt_state.replace(count=count, slots=slots)
+
+    def _graph_update(
+        self,
+        p: list[Tensor],
+        g: list[Tensor],
+        m: list[Tensor],
+        v: list[Tensor],
+        lr: Tensor,
+        count: Tensor,
+        h: dict[str, Tensor],
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """``update``'s arithmetic for a CPU graph: new ``p``, ``m``, ``v``, out of place.
+
+        The same operations on the same values as the ``_foreach`` form (the tests
+        hold the two to the same bits), written per tensor, with the 0-d factors
+        computed once (:func:`computed_once`) instead of inlined into every
+        parameter's expression.
+        """
+        beta1, beta2, eps, wd = h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
+        t = count.to(torch.float64)
+        decay = 1 - lr * wd if self.decoupled_weight_decay else wd
+        decay, w, beta2, rest2, step_size, bias_correction2_sqrt, eps = computed_once(
+            decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1**t), (1 - beta2**t).sqrt(), eps
+        )
+        ps, ms, vs = [], [], []
+        for pi, gi, mi, vi in zip(p, g, m, v):
+            if self.decoupled_weight_decay:
+                pi = pi * decay
+            else:
+                gi = gi + pi * decay
+            mi = mi.lerp(gi, w.to(mi.dtype))
+            vi = vi * beta2 + gi * gi * rest2
+            denom = vi.sqrt() / bias_correction2_sqrt + eps
+            ps.append(pi - mi / denom * step_size)
+            ms.append(mi)
+            vs.append(vi)
+        return ps, ms, vs
 
 
 def _per_dtype(x: Tensor, like: list[Tensor]) -> list[Tensor]:
