@@ -5,11 +5,15 @@
 A compiled step's update graph (unscale, clip, AdamW) costs most of its cold compile
 in inductor's Python, per node, not in the C++ compiler. This measures, for the
 parameter shapes of a benchmark model, what the same update costs to compile and to
-run in five forms, each in a fresh process with an empty inductor cache (the
+run in several forms, each in a fresh process with an empty inductor cache (the
 compiler's instruction-set probe runs before the clock starts):
 
-- ``per-parameter``: what fasttorch's update graph computes on CPU, one tensor per
-  parameter (window mean, per-tensor norms, clip, AdamW with tensor hyperparameters);
+- ``per-parameter``: fasttorch's own update code (window mean, ``global_norm``, the
+  clip through ``scale_grads``, ``optim.adamw``'s ``update``, the copy into the
+  state), which in a CPU graph writes AdamW one expression per tensor with its 0-d
+  factors computed once;
+- ``per-parameter-foreach``: the same update as ``_foreach`` calls with the 0-d
+  factors inline, as fasttorch's CPU graph computed it before;
 - ``per-parameter-lean``: the same arithmetic with fewer operations per element (the
   scalar factors computed once, ``lerp`` written out for a weight below 0.5);
 - ``opaque-optimizer``: the same, with AdamW as one custom op that runs torch's eager
@@ -41,6 +45,7 @@ import torch
 
 FORMS = (
     "per-parameter",
+    "per-parameter-foreach",
     "per-parameter-lean",
     "opaque-optimizer",
     "flat",
@@ -118,8 +123,30 @@ def make_form(
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in g]))
         return list(torch._foreach_mul(g, torch.clamp(1.0 / (norm + 1e-6), max=1.0)))
 
-    def per_parameter() -> None:
+    def per_parameter_foreach() -> None:
         _adamw(p, clipped(g), m, v, *hyper())
+
+    import fasttorch
+    from fasttorch.steps import global_norm, scale_grads
+
+    opt = fasttorch.optim.adamw(1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+    names = [str(i) for i in range(len(shapes))]
+    state = opt.init(dict(zip(names, p)))
+    state = state.replace(slots={"exp_avg": dict(zip(names, m)), "exp_avg_sq": dict(zip(names, v))})
+
+    def per_parameter() -> None:
+        mean = {n: x / h["total"] for n, x in zip(names, g)}
+        coef = torch.clamp(1.0 / (global_norm(mean) + 1e-6), max=1.0)
+        new_p, new = opt.update(dict(zip(names, p)), scale_grads(mean, coef), state, count)
+        torch._foreach_copy_(
+            [*p, *m, *v, state.count],
+            [
+                *new_p.values(),
+                *new.slots["exp_avg"].values(),
+                *new.slots["exp_avg_sq"].values(),
+                new.count,
+            ],
+        )
 
     def per_parameter_lean() -> None:
         lr, beta1, beta2, eps, wd, t = hyper()
@@ -177,6 +204,7 @@ def make_form(
         }
     fn = {
         "per-parameter": per_parameter,
+        "per-parameter-foreach": per_parameter_foreach,
         "per-parameter-lean": per_parameter_lean,
         "opaque-optimizer": opaque,
     }[form]

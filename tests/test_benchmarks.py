@@ -232,6 +232,7 @@ def test_update_graph_forms_compute_the_same_update():
         assert any(not torch.equal(before[k], out[form][k]) for k in before), form
     ref = out["per-parameter"]
     for k in ("params", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(out["per-parameter-foreach"][k], ref[k])
         assert torch.equal(out["opaque-optimizer"][k], ref[k])
         for form in ("per-parameter-lean", "flat"):
             torch.testing.assert_close(out[form][k], ref[k], rtol=1e-5, atol=1e-7)
