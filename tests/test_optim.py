@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from fasttorch import optim, schedules
+from fasttorch.optim import OptState
 
 STEPS = 20
 RTOL = 1e-6
@@ -203,6 +204,29 @@ def test_update_is_pure(opt: Any) -> None:
     assert all(torch.equal(again[n], new_params[n]) for n in params)
 
 
+def _traced_and_eager(
+    opt: Any, steps: int, lr_at: Callable[[int], float] | None = None
+) -> tuple[dict[str, Tensor], OptState, dict[str, Tensor], OptState]:
+    """``steps`` updates through ``torch.compile(update, backend="aot_eager")`` and
+    eagerly from the same start: (params, state) of each. ``lr_at`` sets a fixed lr."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    update: Callable[..., Any] = torch.compile(opt.update, fullgraph=True, backend="aot_eager")
+    model = _model()
+    params = _params(model)
+    grads = _grads(model, steps)
+    state = opt.init(params)
+    eager_params, eager_state = params, state
+    for k in range(steps):
+        step = torch.tensor(k)
+        if lr_at is not None and "lr" in state.hyper:
+            state = optim.set_hyperparams(state, lr=lr_at(k))
+            eager_state = optim.set_hyperparams(eager_state, lr=lr_at(k))
+        params, state = update(params, grads[k], state, step)
+        eager_params, eager_state = opt.update(eager_params, grads[k], eager_state, step)
+    return params, state, eager_params, eager_state
+
+
 @pytest.mark.parametrize(
     "opt",
     [
@@ -213,21 +237,7 @@ def test_update_is_pure(opt: Any) -> None:
     ids=["sgd", "adam", "adamw_scheduled"],
 )
 def test_compiles_once_while_lr_changes(opt: Any) -> None:
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    update: Callable[..., Any] = torch.compile(opt.update, fullgraph=True, backend="aot_eager")
-    model = _model()
-    params = _params(model)
-    grads = _grads(model, 10)
-    state = opt.init(params)
-    eager_params, eager_state = params, state
-    for k in range(10):
-        step = torch.tensor(k)
-        if "lr" in state.hyper:
-            state = optim.set_hyperparams(state, lr=0.1 / (k + 1))
-            eager_state = optim.set_hyperparams(eager_state, lr=0.1 / (k + 1))
-        params, state = update(params, grads[k], state, step)
-        eager_params, eager_state = opt.update(eager_params, grads[k], eager_state, step)
+    params, _, eager_params, _ = _traced_and_eager(opt, 10, lambda k: 0.1 / (k + 1))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert not torch._dynamo.utils.counters["graph_break"]
     for n in params:
@@ -298,17 +308,7 @@ def test_set_hyperparams_errors() -> None:
 def test_adam_in_a_cpu_graph_gives_the_eager_bits(opt: Any) -> None:
     """In a CPU graph Adam runs per tensor with its factors computed once; traced and
     run op by op (aot_eager), that form must give what the _foreach form gives."""
-    torch._dynamo.reset()
-    update: Callable[..., Any] = torch.compile(opt.update, fullgraph=True, backend="aot_eager")
-    model = _model()
-    params = _params(model)
-    grads = _grads(model, 8)
-    state = opt.init(params)
-    eager_params, eager_state = params, state
-    for k in range(8):
-        step = torch.tensor(k)
-        params, state = update(params, grads[k], state, step)
-        eager_params, eager_state = opt.update(eager_params, grads[k], eager_state, step)
+    params, state, eager_params, eager_state = _traced_and_eager(opt, 8)
     for n in params:
         assert torch.equal(params[n], eager_params[n]), n
         for slot in state.slots:
