@@ -35,7 +35,7 @@ from torch.func import functional_call
 
 from fasttorch import struct
 from fasttorch._rng import scoped_rng
-from fasttorch.optim._base import computed_once
+from fasttorch.optim._base import computed_once, in_cpu_graph
 from fasttorch.state import TrainState, check_alive, mark_donated
 
 __all__ = [
@@ -509,7 +509,7 @@ def scale_grads(grads: Mapping[str, torch.Tensor], factor: torch.Tensor) -> Tens
     nothing. The same multiplication either way, so the same bits.
     """
     ts = list(grads.values())
-    if ts and ts[0].device.type == "cpu" and torch.compiler.is_compiling():
+    if in_cpu_graph(ts):
         # a multiply per tensor by a factor computed once (computed_once)
         (factor,) = computed_once(factor)
         return {k: t * factor for k, t in grads.items()}
@@ -529,7 +529,7 @@ def global_norm(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     per-tensor call in eager mode.
     """
     ts = list(tensors.values())
-    if ts and ts[0].device.type == "cpu" and torch.compiler.is_compiling():
+    if in_cpu_graph(ts):
         norms = [torch.linalg.vector_norm(t) for t in ts]
     else:
         norms = list(torch._foreach_norm(ts))
@@ -870,10 +870,10 @@ def compile_step_fn(
     backend is inductor, compile with inductor's C++ wrapper (``cpp_wrapper=True``)
     unless the caller's options set it. The graph then calls its kernels from C++
     instead of from a Python function: a forward and backward with hundreds of small
-    kernels runs 15-26% faster per step on the benchmark models, and its kernels
-    compile as one file. The update graph does not get it: its single kernel with a
-    few hundred arguments took longer to compile as part of a C++ wrapper (docs/design.md,
-    "Compile time").
+    kernels runs 15-26% faster per step on the benchmark models (the wrapper and the
+    kernels compile as two files, see ``_with_cpp_wrapper``). The update graph does not
+    get it: its single kernel with a few hundred arguments took longer to compile as
+    part of a C++ wrapper (docs/design.md, "Compile time").
     """
     if isinstance(options.get("options"), dict):
         # torch.compile pops entries (guard_filter_fn) from this dict: one per kernel.

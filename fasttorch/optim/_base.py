@@ -203,7 +203,7 @@ def computed_once(*scalars: Tensor) -> tuple[Tensor, ...]:
     tensors, N copies of the chain to generate code for, and each copy's reads count
     toward inductor's rules for writing intermediate values to buffers of their own, so
     the copies also multiply the buffers (M3's update graph: 464 buffers instead of
-    364, 2 s more of its cold compile). Inductor always gives a CPU concatenation a
+    363, about 2 s more of its cold compile). Inductor always gives a CPU concatenation a
     buffer of its own, so here the scalars go through one ``torch.stack`` in float64
     (which holds every float32, bfloat16 and float16 value exactly) and come back in
     their own dtypes: the same values, computed once. Elsewhere they are returned as
@@ -211,7 +211,7 @@ def computed_once(*scalars: Tensor) -> tuple[Tensor, ...]:
     """
     if any(s.dim() != 0 or not s.is_floating_point() for s in scalars):
         raise ValueError("computed_once takes 0-d floating-point tensors")
-    if not scalars or scalars[0].device.type != "cpu" or not torch.compiler.is_compiling():
+    if not in_cpu_graph(list(scalars)):
         return scalars
     entries = [s.to(torch.float64) for s in scalars]
     if len(entries) == 1:  # inductor inlines a concatenation of one tensor (a copy)
