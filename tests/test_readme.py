@@ -25,14 +25,15 @@ def test_quick_start_runs_as_written(tmp_path):
     (code,) = re.findall(r"## Quick start\n\n```python\n(.*?)```", README, re.S)
     script = tmp_path / "quick_start.py"
     script.write_text(code)
-    out = subprocess.run(
+    proc = subprocess.run(
         [sys.executable, str(script)],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-        check=True,
-    ).stdout
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-8000:]}"
+    out = proc.stdout
     losses = [float(line.split()[1]) for line in out.splitlines() if line]
     assert len(losses) == 5 and losses[-1] < losses[0] / 2
