@@ -24,6 +24,7 @@ import functools
 import logging
 import threading
 import types
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, TypeAlias
@@ -878,12 +879,12 @@ def compile_step_fn(
     if isinstance(options.get("options"), dict):
         # torch.compile pops entries (guard_filter_fn) from this dict: one per kernel.
         options = {**options, "options": dict(options["options"])}
-    code = own_code(fn)
     compiled_fn: Callable[..., Any] | None = None
+    opts: dict[str, Any] = options
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        nonlocal compiled_fn
+        nonlocal compiled_fn, opts
         if compiled_fn is None:  # on the first call, when the tensors' devices are known
             opts = _without_cpu_only_passes(options, (args, kwargs))
             if _on_cpu((args, kwargs)):
@@ -891,11 +892,63 @@ def compile_step_fn(
             opts = _with_fusion_cap(opts)
             if cpp_wrapper_on_cpu and _only_on_cpu((args, kwargs)):
                 opts = _with_cpp_wrapper(opts)
-            compiled_fn = torch.compile(code, **opts)
+            compiled_fn = torch.compile(own_code(fn), **opts)
         with torch._dynamo.config.patch(trace_autograd_ops=True):
-            return compiled_fn(*args, **kwargs)
+            try:
+                return compiled_fn(*args, **kwargs)
+            except Exception as err:
+                error = _cpp_compile_error(err)
+                if error is None or not _separate_build_is_ours(options, opts):
+                    raise
+                # One graph (fullgraph), which failed to build: nothing ran, the inputs
+                # are untouched, and the same call can be made again.
+                _warn_once(
+                    "compiled: the C++ compiler failed on the wrapper and kernels built as "
+                    "two files (cpp_wrapper_build_separate, which fasttorch sets); building "
+                    "them as one file from now on, as inductor does by default. Pass "
+                    "options={'cpp_wrapper_build_separate': False} to skip the attempt. "
+                    f"The compiler said:\n{_tail(str(error), 4000)}"
+                )
+                inner = {**opts["options"], "cpp_wrapper_build_separate": False}
+                opts = {**opts, "options": inner}
+                compiled_fn = torch.compile(own_code(fn), **opts)
+                return compiled_fn(*args, **kwargs)
 
     return run
+
+
+def _cpp_compile_error(err: BaseException) -> BaseException | None:
+    """The C++ compiler's error in ``err``'s chain of causes, if there is one."""
+    from torch._inductor.exc import CppCompileError
+
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        if isinstance(e, CppCompileError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _separate_build_is_ours(options: dict[str, Any], opts: dict[str, Any]) -> bool:
+    """Whether ``opts`` build in two files because ``_with_cpp_wrapper`` set it."""
+    mine = options.get("options") or {}
+    now = opts.get("options") or {}
+    return (
+        opts.get("fullgraph") is True
+        and "cpp_wrapper_build_separate" not in mine
+        and now.get("cpp_wrapper_build_separate") is True
+    )
+
+
+def _tail(text: str, n: int) -> str:
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, UserWarning, stacklevel=4)
 
 
 def _on_cpu(args: Any) -> bool:
@@ -917,7 +970,9 @@ def _with_cpp_wrapper(options: dict[str, Any]) -> dict[str, Any]:
     at ``-O1`` and the kernels at ``-O3``, where one file would put the wrapper through
     ``-O3`` too. Measured on the benchmark models on 2 cores: M3's microbatch graph
     compiles in 5.6 s instead of 9.1 s, M1's cold compile is 17 s shorter; M1's step is
-    4-6% longer, M3's the same within noise (docs/design.md, "Compile time").
+    4-6% longer, M3's the same within noise (docs/design.md, "Compile time"). Torch
+    leaves the option off by default: where the C++ compiler fails on the two files,
+    ``compile_step_fn`` warns once and builds the graph as one file.
     """
     if options.get("backend", "inductor") != "inductor":
         return options

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 
 import pytest
 import torch
@@ -103,6 +104,93 @@ def test_inductor_tiny_model_matches_eager(monkeypatch):
         torch.testing.assert_close(results[0][k], results[1][k], rtol=1e-5, atol=1e-6)
     assert not counters["graph_break"]
     assert callers[0] == "fasttorch-cpu-isa-probe", callers  # started before inductor asked
+
+
+def _failing_separate_builds(monkeypatch):
+    """The C++ compiler fails on every two-file build (wrapper and kernels apart)."""
+    from torch._inductor import codecache
+    from torch._inductor.exc import CppCompileError
+
+    real, builds = codecache._worker_compile_cpp, []
+
+    def worker(lock_path, builders):
+        builds.append(len(builders))
+        if len(builders) > 1:  # wrapper, kernels, link
+            raise CppCompileError(["g++", "wrapper.cpp"], "wrapper.cpp:1: error: made to fail")
+        return real(lock_path, builders)
+
+    monkeypatch.setattr(codecache, "_worker_compile_cpp", worker)
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    return builds
+
+
+def _accumulated(compile_kwargs):
+    step = fasttorch.grad_accumulate(fasttorch.step(mse), 2)
+    return fasttorch.compiled(step, **compile_kwargs) if compile_kwargs is not None else step
+
+
+@pytest.mark.slow
+def test_a_failed_two_file_build_warns_once_and_builds_one_file(monkeypatch):
+    """Where the C++ compiler fails on the two-file build that compiled chose, the same
+    step builds as one file (inductor's default), says so once with the compiler's
+    words, and trains as the hand-written loop does."""
+    builds = _failing_separate_builds(monkeypatch)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    data = [(torch.randn(6, 3), torch.randn(6, 2)) for _ in range(3)]
+    results = []
+    for compile_kwargs in ({}, None):
+        step = _accumulated(compile_kwargs)
+        state = fasttorch.TrainState.create(copy.deepcopy(model), fasttorch.optim.adamw(1e-2))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for b in data:
+                state, _ = step(state, b)
+        results.append((state, [str(w.message) for w in caught]))
+    (compiled_state, said), (eager_state, _) = results
+    fallback = [m for m in said if "two files" in m]
+    assert len(fallback) == 1 and "made to fail" in fallback[0], said
+    assert 3 in builds and 1 in builds, builds  # tried two files, then built one
+    assert int(compiled_state.step) == 3
+    for k in eager_state.params:
+        torch.testing.assert_close(
+            compiled_state.params[k], eager_state.params[k], rtol=1e-5, atol=1e-6
+        )
+
+
+@pytest.mark.slow
+def test_a_two_file_build_the_caller_asked_for_is_not_second_guessed(monkeypatch):
+    _failing_separate_builds(monkeypatch)
+    step = _accumulated({"options": {"cpp_wrapper_build_separate": True}})
+    state = fasttorch.TrainState.create(torch.nn.Linear(3, 2), fasttorch.optim.adamw(1e-2))
+    with pytest.raises(Exception, match="made to fail"):
+        step(state, (torch.randn(4, 3), torch.randn(4, 2)))
+
+
+def test_only_a_c_compile_error_of_a_two_file_build_compiled_chose_is_retried():
+    from torch._inductor.exc import CppCompileError
+
+    from fasttorch.steps import _cpp_compile_error, _separate_build_is_ours
+
+    cause = CppCompileError(["g++"], "boom")
+    try:
+        try:
+            raise cause
+        except CppCompileError as e:
+            raise RuntimeError("backend compiler failed") from e
+    except RuntimeError as wrapped:
+        assert _cpp_compile_error(wrapped) is cause
+    assert _cpp_compile_error(RuntimeError("not a compiler")) is None
+    chose = {
+        "fullgraph": True,
+        "options": {"cpp_wrapper": True, "cpp_wrapper_build_separate": True},
+    }
+    assert _separate_build_is_ours({"fullgraph": True}, chose)
+    caller = {"fullgraph": True, "options": {"cpp_wrapper_build_separate": True}}
+    assert not _separate_build_is_ours(caller, chose)  # the caller asked for it
+    assert not _separate_build_is_ours({}, {**chose, "fullgraph": False})  # part may have run
+    one_file = {"fullgraph": True, "options": {"cpp_wrapper_build_separate": False}}
+    assert not _separate_build_is_ours({"fullgraph": True}, one_file)
 
 
 def test_the_cpu_isa_probe_starts_once_and_only_where_inductor_will_want_it(monkeypatch):
