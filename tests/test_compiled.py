@@ -120,7 +120,6 @@ def _failing_separate_builds(monkeypatch):
         return real(lock_path, builders)
 
     monkeypatch.setattr(codecache, "_worker_compile_cpp", worker)
-    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
     return builds
 
 
@@ -142,7 +141,10 @@ def test_a_failed_two_file_build_warns_once_and_builds_one_file(monkeypatch):
     for compile_kwargs in ({}, None):
         step = _accumulated(compile_kwargs)
         state = fasttorch.TrainState.create(copy.deepcopy(model), fasttorch.optim.adamw(1e-2))
-        with warnings.catch_warnings(record=True) as caught:
+        with (
+            torch.compiler.config.patch(force_disable_caches=True),
+            warnings.catch_warnings(record=True) as caught,
+        ):
             warnings.simplefilter("always")
             for b in data:
                 state, _ = step(state, b)
@@ -163,7 +165,10 @@ def test_a_two_file_build_the_caller_asked_for_is_not_second_guessed(monkeypatch
     _failing_separate_builds(monkeypatch)
     step = _accumulated({"options": {"cpp_wrapper_build_separate": True}})
     state = fasttorch.TrainState.create(torch.nn.Linear(3, 2), fasttorch.optim.adamw(1e-2))
-    with pytest.raises(Exception, match="made to fail"):
+    with (
+        torch.compiler.config.patch(force_disable_caches=True),
+        pytest.raises(Exception, match="made to fail"),
+    ):
         step(state, (torch.randn(4, 3), torch.randn(4, 2)))
 
 
