@@ -902,7 +902,7 @@ def compile_step_fn(
                     raise
                 # One graph (fullgraph), which failed to build: nothing ran, the inputs
                 # are untouched, and the same call can be made again.
-                _warn_once(
+                warn_once(
                     "compiled: the C++ compiler failed on the wrapper and kernels built as "
                     "two files (cpp_wrapper_build_separate, which fasttorch sets); building "
                     "them as one file from now on, as inductor does by default. Pass "
@@ -947,7 +947,8 @@ def _tail(text: str, n: int) -> str:
 
 
 @functools.cache
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
+    """``warnings.warn(message)`` the first time this process says ``message``."""
     warnings.warn(message, UserWarning, stacklevel=4)
 
 

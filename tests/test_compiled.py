@@ -133,6 +133,9 @@ def test_a_failed_two_file_build_warns_once_and_builds_one_file(monkeypatch):
     """Where the C++ compiler fails on the two-file build that compiled chose, the same
     step builds as one file (inductor's default), says so once with the compiler's
     words, and trains as the hand-written loop does."""
+    from fasttorch import steps
+
+    steps.warn_once.cache_clear()
     builds = _failing_separate_builds(monkeypatch)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))

@@ -118,7 +118,7 @@ def test_bf16_autocasts_the_forward_and_keeps_no_scale():
 
 
 def test_auto_warns_once_with_its_reason(monkeypatch):
-    amp_mod._warn_once.cache_clear()
+    amp_mod.warn_once.cache_clear()
     monkeypatch.setattr(amp_mod, "_native_bf16", lambda dev: (False, "no native bf16 here"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -129,21 +129,21 @@ def test_auto_warns_once_with_its_reason(monkeypatch):
         "with_amp('auto') chose fp16 on cpu: no native bf16 here; fp16 adds a dynamic loss scale"
     ]
     assert "amp" in s1.init(_state()).substates
-    amp_mod._warn_once.cache_clear()
+    amp_mod.warn_once.cache_clear()
     monkeypatch.setattr(amp_mod, "_native_bf16", lambda dev: (True, "native"))
     with pytest.warns(UserWarning, match="chose bf16 on cpu: native"):
         s2 = fasttorch.with_amp(fasttorch.step(mse), "auto", device_type="cpu")
     assert "amp" not in s2.init(_state()).substates
-    amp_mod._warn_once.cache_clear()
+    amp_mod.warn_once.cache_clear()
 
 
 def test_auto_refuses_a_state_on_another_device():
-    amp_mod._warn_once.cache_clear()
+    amp_mod.warn_once.cache_clear()
     with pytest.warns(UserWarning):
         step = fasttorch.with_amp(fasttorch.step(mse), "auto", device_type="meta")
     with pytest.raises(ValueError, match="pass device_type='cpu'"):
         step(_state(), batches(1, 8)[0])
-    amp_mod._warn_once.cache_clear()
+    amp_mod.warn_once.cache_clear()
 
 
 def test_bad_arguments():

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import warnings
 from typing import Literal
 
 import attrs
@@ -21,6 +19,7 @@ from fasttorch.steps import (
     Tensors,
     check_wrap,
     global_norm,
+    warn_once,
 )
 
 __all__ = ["LossScaleState", "resolve_precision", "with_amp"]
@@ -90,7 +89,7 @@ def resolve_precision(precision: str, device_type: str) -> torch.dtype:
         return _DTYPES[precision]
     native, why = _native_bf16(device_type)
     choice = "bf16" if native else "fp16"
-    _warn_once(
+    warn_once(
         f"with_amp('auto') chose {choice} on {device_type}: {why}"
         + ("" if native else "; fp16 adds a dynamic loss scale")
     )
@@ -107,11 +106,6 @@ def _native_bf16(device_type: str) -> tuple[bool, str]:
             return True, "this CPU has AVX512-BF16/AMX bf16 instructions"
         return False, "this CPU has no AVX512-BF16 or AMX instructions, bf16 would be emulated"
     return True, f"assuming {device_type} supports bf16"
-
-
-@functools.cache
-def _warn_once(message: str) -> None:
-    warnings.warn(message, UserWarning, stacklevel=4)
 
 
 def with_amp(
