@@ -376,13 +376,65 @@ def _grad_into_module(
         elif out.weight is not into.first:
             into.same = False
             seed = seed * (out.weight / into.first)
-        torch.autograd.backward(v, grad_tensors=seed, inputs=list(params.values()))
+        inputs = _backward_inputs(params, state.module, v, batch)
+        torch.autograd.backward(v, grad_tensors=seed, inputs=inputs)
     aux = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out.aux)
     return GradOut(grads={}, value=out.value.detach(), weight=out.weight, aux=aux)
 
 
+# Per module: whether the first loss graph checked reached no leaf but its parameters.
+_LEAVES_ARE_PARAMS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _backward_inputs(
+    params: ModuleTensors, module: Any, value: torch.Tensor, batch: Batch
+) -> list[torch.Tensor] | None:
+    """``inputs=`` for the backward of ``value``: ``None`` where a plain backward reaches
+    the parameters in ``params`` and no other tensor that requires grad.
+
+    Given ``inputs``, the engine first marks the nodes that lead to them and then
+    consults the marks at every node: 1.8% of the benchmark MLP's eager step
+    (docs/design.md). Without it the backward accumulates into every leaf it reaches,
+    as ``loss.backward()`` in the plain loop does. That is the parameters alone when
+    every parameter of the module that requires grad is in ``params``, no tensor in the
+    batch requires grad, and the loss's graph reached no other leaf when it was first
+    checked, once per module (a walk over its nodes). Otherwise the parameters are
+    passed as ``inputs``, and nothing else gets a ``.grad``.
+    """
+    if not params.complete or any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(batch)
+    ):
+        return list(params.values())
+    ok = _LEAVES_ARE_PARAMS.get(module)
+    if ok is None:
+        ok = _LEAVES_ARE_PARAMS[module] = _leaves_within(value, params.values())
+    return None if ok else list(params.values())
+
+
+def _leaves_within(value: torch.Tensor, leaves: Any) -> bool:
+    """Whether every leaf the backward of ``value`` accumulates into is in ``leaves``."""
+    allowed = {id(t) for t in leaves}
+    seen: set[Any] = set()
+    stack = [value.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if variable is not None and id(variable) not in allowed:
+            return False
+        stack.extend(fn for fn, _ in node.next_functions)
+    return True
+
+
 class ModuleTensors(dict[str, torch.Tensor]):
-    """The module's own parameters, standing for ``state.params`` (same storage)."""
+    """The module's own parameters, standing for ``state.params`` (same storage).
+
+    ``complete``: every parameter of the module that requires grad is among them.
+    """
+
+    complete: bool = False
 
 
 _MODULE_PARAMS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
@@ -430,6 +482,8 @@ def module_tensors(state: TrainState) -> ModuleTensors | None:
                 out = None
                 break
             out[k] = p
+    if out is not None:
+        out.complete = sum(p.requires_grad for p in named.values()) == len(out)
     cached[2] = (state.params, state.buffers, out)
     return out
 
