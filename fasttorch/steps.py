@@ -393,7 +393,7 @@ def _backward_inputs(
     the parameters in ``params`` and no other tensor that requires grad.
 
     Given ``inputs``, the engine first marks the nodes that lead to them and then
-    consults the marks at every node: 1.8% of the benchmark MLP's eager step
+    consults the marks at every node: 2-4% of the benchmark MLP's eager step
     (docs/design.md). Without it the backward accumulates into every leaf it reaches,
     as ``loss.backward()`` in the plain loop does. That is the parameters alone when
     every parameter of the module that requires grad is in ``params``, no tensor in the

@@ -256,7 +256,7 @@ def _backward_inputs_seen(monkeypatch):
 def test_eager_window_backward_is_the_plain_loops_where_only_parameters_need_grads(
     monkeypatch,
 ):
-    """No inputs= (the engine's marking pass costs the small MLP 1.8% of a step) when the
+    """No inputs= (the engine's marking pass costs the small MLP 2-4% of a step) when the
     backward can reach nothing but the state's parameters; the same bits as the
     copying path either way (test above)."""
     seen = _backward_inputs_seen(monkeypatch)
