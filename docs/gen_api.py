@@ -60,6 +60,11 @@ def _signature(obj: Any) -> inspect.Signature | None:
         p if p.annotation is p.empty else p.replace(annotation=_Raw(p.annotation))
         for p in sig.parameters.values()
     ]
+    # A function as a default shows as its name, not its repr (which holds an address).
+    params = [
+        p.replace(default=_Raw(p.default.__name__)) if inspect.isfunction(p.default) else p
+        for p in params
+    ]
     ret = sig.return_annotation
     return sig.replace(parameters=params, return_annotation=ret if ret is sig.empty else _Raw(ret))
 

@@ -41,8 +41,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 
-from fasttorch import struct
+from fasttorch import _compat, struct
 from fasttorch.state import TrainState, check_alive, mark_donated
+from fasttorch.transforms.grad_accumulate import KEY as ACCUM_KEY
 
 __all__ = [
     "CheckpointError",
@@ -62,7 +63,7 @@ MANIFEST = "fasttorch.json"
 _TMP = ".tmp."
 _OLD = ".old."
 # Entries whose values legitimately differ between ranks: saved under "rank{r}/".
-PER_RANK = ("rng", "substates/grad_accumulate")
+PER_RANK = ("rng", f"substates/{ACCUM_KEY}")
 _DATA = "data"
 _CHUNK = 1 << 22
 
@@ -110,7 +111,7 @@ def _wrapper_prefixes(module: torch.nn.Module) -> tuple[str, ...]:
     m: Any = module
     prefix = ""
     while True:
-        if isinstance(m, torch._dynamo.eval_frame.OptimizedModule):
+        if _compat.is_optimized_module(m):
             prefix += "_orig_mod."
             m = m._orig_mod
         elif isinstance(m, wrappers):
@@ -439,7 +440,7 @@ def _plan(
     rank, world = _rank_world()
     keys, leaves, _ = _flatten(state)
     step = int(state.step)
-    window = state.substates.get("grad_accumulate")
+    window = state.substates.get(ACCUM_KEY)
     micro = getattr(window, "micro", None)
     if name is None:
         name = f"step_{step:09d}" + (f"_micro{micro}" if micro else "")

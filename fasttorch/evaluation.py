@@ -13,9 +13,11 @@ from collections.abc import Callable, Iterable
 import torch
 
 from fasttorch import struct
+from fasttorch.phases import Batch, LossFn, LossPhase, Metrics
 from fasttorch.state import TrainState, check_alive
-from fasttorch.steps import Batch, LossFn, LossPhase, Metrics, Step
+from fasttorch.steps import Step
 from fasttorch.steps import step as make_step
+from fasttorch.transforms.ema import KEY as EMA_KEY
 
 __all__ = ["Mean", "eval_step", "evaluate"]
 
@@ -86,13 +88,13 @@ def eval_step(step_or_loss_fn: Step | LossFn, *, use_ema: bool = False) -> EvalF
             check_alive(state, f"eval_step({name})")
         params = state.params
         if use_ema:
-            if "ema" not in state.substates:
+            if EMA_KEY not in state.substates:
                 raise ValueError(
                     f"eval_step({name}, use_ema=True): the state has no 'ema' sub-state "
                     f"(it has {sorted(state.substates)}); train it with a step wrapped in "
                     "fasttorch.ema, or call that step's init(state) first"
                 )
-            params = state.substates["ema"].params
+            params = state.substates[EMA_KEY].params
         module = state.module
         was_training = module.training
         module.eval()

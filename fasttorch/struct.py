@@ -51,6 +51,9 @@ class Record:
         fields = dataclasses.fields(cls)  # type: ignore[arg-type]
         data = tuple(f.name for f in fields if not f.metadata.get(_STATIC, False))
         static = tuple(f.name for f in fields if f.metadata.get(_STATIC, False))
+        # Read by code that walks records inside a compiled step, where dataclasses.fields()
+        # and a field's metadata (a mappingproxy) do not trace on every torch release.
+        cls.__fasttorch_data_fields__ = data  # type: ignore[attr-defined]
 
         def flatten(obj: Any) -> tuple[list[Any], Any]:
             return [getattr(obj, n) for n in data], tuple(getattr(obj, n) for n in static)
@@ -69,6 +72,8 @@ class Record:
             serialized_type_name=f"{cls.__module__}.{cls.__qualname__}",
             flatten_with_keys_fn=flatten_with_keys,
         )
+
+    __fasttorch_data_fields__: tuple[str, ...] = ()
 
     def replace(self, **changes: Any) -> Self:
         """A copy with ``changes`` applied (``dataclasses.replace``); traces under compile."""

@@ -52,8 +52,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from fasttorch import _compat
 from fasttorch.state import TrainState
-from fasttorch.steps import Step
+from fasttorch.steps import Step, eager
 
 __all__ = ["CHECKS", "assert_states_close", "check_step", "forbid_host_sync"]
 
@@ -147,14 +148,14 @@ class _Ctx:
 
     def eager(self) -> Any:
         s = self.step
-        return attrs.evolve(s, compile_options=None) if isinstance(s, Step) else s
+        return attrs.evolve(s, jit=eager) if isinstance(s, Step) else s
 
     def is_compiled(self) -> bool:
         s = self.step
         if getattr(s, "__fasttorch_profiled__", False):
             s = s.step
         if isinstance(s, Step):
-            return s.compile_options is not None
+            return not s.is_eager
         return bool(getattr(s, "__fasttorch_compiled__", False))
 
 
@@ -234,7 +235,7 @@ def _check_composes(c: _Ctx) -> str:
     s = c.step
     if not isinstance(s, Step):
         return "skipped: not a fasttorch.Step (only compiled and profiled wrap a callable)"
-    if s.compile_options is not None:
+    if not s.is_eager:
         return "skipped: compiled is outermost; nothing wraps it"
     done = []
     for name, wrap in _compositions():
@@ -259,8 +260,8 @@ def _check_compiles(c: _Ctx) -> str:
     if _refuses_compile(c):
         return _PROFILED_SKIP
     fast = c.fast()
-    counters = torch._dynamo.utils.counters
-    torch._dynamo.reset()
+    counters = _compat.dynamo_counters()
+    _compat.dynamo_reset()
     counters.clear()
     state, _ = _run(fast, c.factory(), c.batches)
     breaks = dict(counters["graph_break"])

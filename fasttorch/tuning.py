@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import torch
 
+from fasttorch import _compat
+
 __all__ = ["DeviceTuning", "tune_device"]
 
 MatmulPrecision = Literal["highest", "high", "medium"]
@@ -117,7 +119,7 @@ def tune_device(
             raise TypeError(f"tune_device: {name} must be True, False or None, got {value!r}")
     if not isinstance(autograd_profiler, bool):
         raise TypeError(f"tune_device: autograd_profiler must be a bool, got {autograd_profiler!r}")
-    if not autograd_profiler and torch._C._autograd._profiler_enabled():
+    if not autograd_profiler and _compat.autograd_profiler_enabled():
         raise RuntimeError(
             "tune_device: an autograd profiler (torch.profiler.profile or "
             "torch.autograd.profiler.emit_nvtx) is recording and slows every op down. "

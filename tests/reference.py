@@ -1,4 +1,4 @@
-"""The hand-written PyTorch loop every fasttorch step is checked against (DESIGN.md).
+"""The hand-written PyTorch loop every fasttorch step is checked against (docs/design.md).
 
 autocast around the forward; the loss divided by the number of microbatches (or
 weighted by each microbatch's share of the window's samples when sizes differ);

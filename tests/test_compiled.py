@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib
 import threading
 import warnings
 
@@ -78,7 +79,7 @@ def test_inductor_tiny_model_matches_eager(monkeypatch):
     """The one test here that pays for inductor's code generation."""
     from torch._inductor import cpu_vec_isa
 
-    from fasttorch import steps
+    compiled_mod = importlib.import_module("fasttorch.transforms.compiled")
 
     real_probe, callers = cpu_vec_isa.valid_vec_isa_list, []
 
@@ -87,7 +88,7 @@ def test_inductor_tiny_model_matches_eager(monkeypatch):
         return real_probe()
 
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", probe)
-    monkeypatch.setattr(steps, "_ISA_PROBE", [])
+    monkeypatch.setattr(compiled_mod, "_ISA_PROBE", [])
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     data = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(4)]
@@ -178,7 +179,8 @@ def test_a_two_file_build_the_caller_asked_for_is_not_second_guessed(monkeypatch
 def test_only_a_c_compile_error_of_a_two_file_build_compiled_chose_is_retried():
     from torch._inductor.exc import CppCompileError
 
-    from fasttorch.steps import _cpp_compile_error, _separate_build_is_ours
+    from fasttorch._compat import cpp_compile_error as _cpp_compile_error
+    from fasttorch.transforms.compiled import _separate_build_is_ours
 
     cause = CppCompileError(["g++"], "boom")
     try:
@@ -204,7 +206,7 @@ def test_only_a_c_compile_error_of_a_two_file_build_compiled_chose_is_retried():
 def test_the_cpu_isa_probe_starts_once_and_only_where_inductor_will_want_it(monkeypatch):
     from torch._inductor import cpu_vec_isa
 
-    from fasttorch import steps
+    compiled_mod = importlib.import_module("fasttorch.transforms.compiled")
 
     callers: list[str] = []
     monkeypatch.setattr(
@@ -214,10 +216,10 @@ def test_the_cpu_isa_probe_starts_once_and_only_where_inductor_will_want_it(monk
     )
 
     def started(options):
-        monkeypatch.setattr(steps, "_ISA_PROBE", [])
+        monkeypatch.setattr(compiled_mod, "_ISA_PROBE", [])
         callers.clear()
-        steps.probe_cpu_isa_early(options)
-        for t in steps._ISA_PROBE:
+        compiled_mod.probe_cpu_isa_early(options)
+        for t in compiled_mod._ISA_PROBE:
             t.join(timeout=10)
         return callers == ["fasttorch-cpu-isa-probe"]
 
@@ -228,24 +230,24 @@ def test_the_cpu_isa_probe_starts_once_and_only_where_inductor_will_want_it(monk
     assert not started({"backend": "inductor", "options": {"cpp.simdlen": 256}})
     assert not started({"backend": "inductor", "options": {"cpp": {"cxx": ("g++",)}}})
     # Once per process.
-    monkeypatch.setattr(steps, "_ISA_PROBE", [])
-    steps.probe_cpu_isa_early({"backend": "inductor"})
-    steps.probe_cpu_isa_early({"backend": "inductor"})
-    assert len(steps._ISA_PROBE) == 1
-    steps._ISA_PROBE[0].join(timeout=10)
+    monkeypatch.setattr(compiled_mod, "_ISA_PROBE", [])
+    compiled_mod.probe_cpu_isa_early({"backend": "inductor"})
+    compiled_mod.probe_cpu_isa_early({"backend": "inductor"})
+    assert len(compiled_mod._ISA_PROBE) == 1
+    compiled_mod._ISA_PROBE[0].join(timeout=10)
     assert callers.count("fasttorch-cpu-isa-probe") == 1
 
 
 def test_the_cpu_isa_probe_is_not_started_for_a_gpu_step_or_another_backend(monkeypatch):
-    from fasttorch import steps
+    compiled_mod = importlib.import_module("fasttorch.transforms.compiled")
 
     seen: list[dict] = []
-    monkeypatch.setattr(steps, "probe_cpu_isa_early", lambda opts: seen.append(opts))
+    monkeypatch.setattr(compiled_mod, "probe_cpu_isa_early", lambda opts: seen.append(opts))
     state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.sgd(0.1))
     fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")(state, next(iter(batches(1, 8))))
     assert len(seen) == 1, "a CPU step asks on its first call; the backend is judged inside"
-    assert not steps._on_cpu(({"w": torch.empty(2, device="meta")}, None))
-    assert steps._on_cpu(({"w": torch.empty(2)}, None))
+    assert not compiled_mod._on_cpu(({"w": torch.empty(2, device="meta")}, None))
+    assert compiled_mod._on_cpu(({"w": torch.empty(2)}, None))
 
 
 def test_compiles_any_state_batch_callable():
@@ -313,7 +315,7 @@ def test_options_reach_every_kernel():
 
 
 def test_inductor_gets_the_fusion_search_cap_unless_told_otherwise():
-    from fasttorch.steps import FUSION_ATTEMPTS, _with_fusion_cap
+    from fasttorch.transforms.compiled import FUSION_ATTEMPTS, _with_fusion_cap
 
     key = "max_fusion_buffer_group_pairwise_attempts"
     assert _with_fusion_cap({"backend": "inductor"})["options"] == {key: FUSION_ATTEMPTS}
@@ -330,7 +332,7 @@ def test_on_cpu_the_microbatch_graph_gets_the_cpp_wrapper_and_the_update_graph_d
     monkeypatch,
 ):
     """What reaches torch.compile for each kernel (recorded; the kernels then run eagerly)."""
-    from fasttorch import steps
+    compiled_mod = importlib.import_module("fasttorch.transforms.compiled")
 
     seen = []
 
@@ -339,7 +341,7 @@ def test_on_cpu_the_microbatch_graph_gets_the_cpp_wrapper_and_the_update_graph_d
         return fn
 
     monkeypatch.setattr(torch, "compile", record)
-    monkeypatch.setattr(steps, "_ISA_PROBE", [object()])  # no probe thread from here
+    monkeypatch.setattr(compiled_mod, "_ISA_PROBE", [object()])  # no probe thread from here
 
     def kernels_options(**compile_kwargs):
         seen.clear()
@@ -365,7 +367,7 @@ def test_on_cpu_the_microbatch_graph_gets_the_cpp_wrapper_and_the_update_graph_d
 
 
 def test_the_cpp_wrapper_is_for_graphs_whose_tensors_are_all_on_the_cpu():
-    from fasttorch.steps import _only_on_cpu, _with_cpp_wrapper
+    from fasttorch.transforms.compiled import _only_on_cpu, _with_cpp_wrapper
 
     cpu, meta = torch.zeros(1), torch.zeros(1, device="meta")
     assert _only_on_cpu(({"a": cpu}, [cpu], 3))
@@ -384,31 +386,3 @@ def test_the_cpp_wrapper_is_for_graphs_whose_tensors_are_all_on_the_cpu():
     assert _with_cpp_wrapper(mine)["options"]["cpp_wrapper_build_separate"] is False
     torch.compile(lambda x: x, **_with_cpp_wrapper(opts))  # options torch accepts
     assert _with_cpp_wrapper({"backend": "aot_eager"}) == {"backend": "aot_eager"}
-
-
-def test_inductor_says_nothing_of_the_proxy_calls_our_own_rewrite_makes():
-    """A C++ wrapper reaches ops without a C shim through a proxy executor, and inductor
-    warns at each such call site; for the widening the float32 pass inserts, that says
-    nothing a user can act on. Every other op still gets its warning."""
-    import logging
-
-    from fasttorch.steps import _with_cpp_wrapper
-
-    logger = logging.getLogger("torch._inductor.ir")
-    got: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            got.append(record.getMessage())
-
-    handler = Keep()
-    logger.addHandler(handler)
-    try:
-        _with_cpp_wrapper({"backend": "inductor"})
-        msg = "%s is missing a c-shim implementation, using proxy executor as fallback"
-        logger.warning(msg, torch.ops.aten._autocast_to_full_precision.default)
-        logger.warning(msg, torch.ops.aten._fft_r2c.default)
-        logger.warning("something else entirely")
-    finally:
-        logger.removeHandler(handler)
-    assert got == [msg % "aten._fft_r2c.default", "something else entirely"]

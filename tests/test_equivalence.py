@@ -1,4 +1,4 @@
-"""The equivalence matrix: every composition equals the hand-written loop (DESIGN.md).
+"""The equivalence matrix: every composition equals the hand-written loop (docs/design.md).
 
 {fp32, bf16, fp16} x {no accumulation, 4 within one call, 4 across calls} x
 {no clip, clip at 1.0} x {eager, compiled}, each against ``reference_run`` on a deep
@@ -28,7 +28,7 @@ STEPS = 10
 N = 4
 # fp16 starts from a scale that overflows, so skipping, backoff and growth all happen.
 FP16 = {"init_scale": 2.0**22, "growth_interval": 3}
-# Parameters: fp32 to 1e-6 (DESIGN.md). In half precision the forward rounds, and a
+# Parameters: fp32 to 1e-6 (docs/design.md). In half precision the forward rounds, and a
 # 1-ulp difference in a parameter can flip a rounding there: 1e-4 of dtype tolerance.
 TOL = {"fp32": (1e-6, 1e-7), "bf16": (1e-4, 1e-5), "fp16": (1e-4, 1e-5)}
 # Reported losses: a half-precision forward turns 1e-7 parameter differences into ~1e-4.

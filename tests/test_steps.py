@@ -234,10 +234,10 @@ def test_calling_the_module_directly_gives_the_same_bits_as_functional_call():
     """A donated state shares storage with its module, so eager steps call the module
     as is; copying semantics (and any state whose tensors are not the module's) go
     through functional_call. Both must give identical results."""
-    from fasttorch import steps
+    from fasttorch import _scope, phases
 
     calls = []
-    real = steps.module_tensors
+    real = phases.module_tensors
 
     def spy(state):
         out = real(state)
@@ -254,7 +254,7 @@ def test_calling_the_module_directly_gives_the_same_bits_as_functional_call():
         copying = fasttorch.clip_scaled(
             fasttorch.grad_accumulate(fasttorch.step(mse, donate=False), 2), 1.0
         )
-        steps.module_tensors = spy
+        phases.module_tensors = spy
         try:
             for b in batches(4, 16):
                 calls.clear()
@@ -264,7 +264,7 @@ def test_calling_the_module_directly_gives_the_same_bits_as_functional_call():
                 states[1], _ = copying(states[1], b)
                 assert calls and not any(calls)  # functional_call
         finally:
-            steps.module_tensors = real
+            phases.module_tensors = real
         for a, c in zip(
             torch.utils._pytree.tree_leaves(
                 (states[0].params, states[0].buffers, states[0].opt_state)
@@ -275,10 +275,7 @@ def test_calling_the_module_directly_gives_the_same_bits_as_functional_call():
         ):
             assert torch.equal(a, c)
     # Tensors that are no longer the module's (here: copies) fall back to functional_call.
-    token = steps._IN_PLACE.set(True)
-    try:
-        assert steps.module_tensors(states[0]) is not None
+    with _scope.scope(in_place=True):
+        assert phases.module_tensors(states[0]) is not None
         moved = states[0].replace(params={k: v.clone() for k, v in states[0].params.items()})
-        assert steps.module_tensors(moved) is None
-    finally:
-        steps._IN_PLACE.reset(token)
+        assert phases.module_tensors(moved) is None

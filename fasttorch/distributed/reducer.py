@@ -1,7 +1,7 @@
 """The gradient reducer: bucketed, asynchronous all-reduce started from backward hooks.
 
 ``DistributedDataParallel`` cannot sync gradients of tensors swapped in with
-``functional_call`` (DESIGN.md), so fasttorch reduces its own. Parameters are grouped in
+``functional_call`` (docs/design.md), so fasttorch reduces its own. Parameters are grouped in
 buckets of about ``bucket_mb`` in a fixed order (reverse definition order, roughly the
 order backward produces them). During the window's last backward each parameter's hook
 adds its gradient to the window's accumulated one, copies the sum into its bucket, and
@@ -25,7 +25,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from fasttorch.steps import GradOut, Loss, Tensors
+from fasttorch import _compat
+from fasttorch.phases import GradOut, Loss, Tensors
 
 __all__ = ["DistributedStepError", "SyncConfig", "WindowReduction"]
 
@@ -237,7 +238,7 @@ class WindowReduction:
             return  # a device-side assert would kill the CUDA context; docs/distributed.md
         try:
             # A tensor condition, not a Python branch: on CPU it raises here and now.
-            torch._assert_async(agree, "ranks disagree")
+            _compat.assert_async(agree, "ranks disagree")
         except RuntimeError as e:
             raise DistributedStepError(
                 f"ranks disagree on the accumulation window: rank "

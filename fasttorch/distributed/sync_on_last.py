@@ -3,19 +3,51 @@
 from __future__ import annotations
 
 import datetime
+import functools
 from typing import Any
 
 import torch
 
 from fasttorch.distributed.reducer import SyncConfig, WindowReduction
-from fasttorch.steps import Step, check_wrap
+from fasttorch.donation import commit
+from fasttorch.phases import Batch, Loss, Metrics, Tensors
+from fasttorch.state import TrainState
+from fasttorch.steps import Step, apply_update, check_wrap
 
 __all__ = ["sync_on_last"]
 
 
 class _Sync(SyncConfig):
-    def reduction(self, params: Any, acc: Any, n: int, step: torch.Tensor) -> WindowReduction:
-        return WindowReduction(self, params, acc, n, step)
+    """The finisher ``sync_on_last`` installs: the window's last microbatch, reduced."""
+
+    def __call__(
+        self, step: Step, state: TrainState, acc: Any, batch: Batch, n: int, reset: bool
+    ) -> tuple[TrainState, Metrics, Any, torch.Tensor]:
+        """Run the last microbatch eagerly with the reducer's hooks, then the update.
+
+        The backward runs outside any graph (its hooks launch the collectives while it
+        goes on); under ``compiled`` the forward and the update are graphs.
+        """
+        reduction = WindowReduction(self, state.params, acc, n, state.step)
+        forward = step.kernel("forward", lambda: step.loss)
+        handles: list[Any] = []
+
+        def loss(state: TrainState, params: Tensors, buffers: Tensors, batch: Batch) -> Loss:
+            out: Loss = forward(state, params, buffers, batch)
+            handles.extend(reduction.attach(params, out))
+            return out
+
+        try:
+            g = step.grad(loss, state, batch, 1.0 / n)
+        finally:
+            for h in handles:
+                h.remove()
+        apply = step.kernel("apply", lambda: functools.partial(apply_update, step))
+        new, metrics = apply(state, reduction.finish(g))
+        fresh = None
+        if reset and acc is not None:
+            fresh = commit(step.donate, acc, acc.zeroed())
+        return new, metrics, fresh, g.weight
 
 
 def sync_on_last(
@@ -55,7 +87,7 @@ def sync_on_last(
 
     Example:
         >>> import torch, fasttorch
-        >>> from fasttorch.distributed import sync_on_last
+        >>> from fasttorch import sync_on_last
         >>> def loss_fn(apply, batch):
         ...     return apply(batch).pow(2).mean()
         >>> step = sync_on_last(fasttorch.grad_accumulate(fasttorch.step(loss_fn), 4))
@@ -68,5 +100,5 @@ def sync_on_last(
     if not isinstance(timeout, datetime.timedelta):
         raise TypeError(f"sync_on_last: timeout must be a datetime.timedelta, got {timeout!r}")
     return step.with_phases(
-        "sync_on_last", sync=_Sync(group=group, bucket_mb=float(bucket_mb), timeout=timeout)
+        "sync_on_last", finish=_Sync(group=group, bucket_mb=float(bucket_mb), timeout=timeout)
     )

@@ -1,4 +1,8 @@
-"""Transforms: stateless functions ``step -> step``, one module each."""
+"""Transforms: stateless functions ``step -> step``, one module each.
+
+A new transform is its module, its test file, and its entry here (the import and the
+name in ``__all__``); the top-level package exports everything listed here.
+"""
 
 from fasttorch.transforms.clip_scaled import clip_scaled
 from fasttorch.transforms.compiled import compiled

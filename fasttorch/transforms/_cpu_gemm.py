@@ -20,7 +20,8 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from fasttorch import _compat
 
 __all__ = ["CpuGemm", "HalfGemmInFloat32", "half_gemm_dtypes", "native_cpu_gemm"]
 
@@ -31,8 +32,27 @@ _prims = torch.ops.prims
 # The matrix products of a post-grad graph (nn.Linear is addmm/mm, attention's
 # projections bmm), and CPU attention's own kernels, forward and backward.
 _GEMMS = (_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default)
-_ATTENTION = _aten._scaled_dot_product_flash_attention_for_cpu.default
-_ATTENTION_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_ATTENTION = _compat.CPU_ATTENTION
+_ATTENTION_BACKWARD = _compat.CPU_ATTENTION_BACKWARD
+
+
+@torch.library.custom_op("fasttorch::widen", mutates_args=())
+def widen(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32, as an extern call: inductor fuses it into no kernel.
+
+    The CPU matrix-product pass widens an activation again right before a later use
+    with it, so that no float32 copy lives from the forward to the backward. A custom
+    op, not an ATen one: an ATen op without a C shim makes inductor's C++ wrapper warn
+    at every compile, and the proxy executor calls both alike.
+    """
+    return x.to(torch.float32)
+
+
+@widen.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, dtype=torch.float32)
+
+
 _REWRITTEN = frozenset((*_GEMMS, _ATTENTION, _ATTENTION_BACKWARD))
 
 
@@ -58,12 +78,12 @@ def native_cpu_gemm(dtype: torch.dtype) -> bool:
     if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
         return True
     if dtype == torch.bfloat16:
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+        return _compat.cpu_has_bf16_units()
     if dtype == torch.float16:
         flags = _cpu_flags()
         if not flags:
             return True
-        return bool(torch.cpu._is_amx_fp16_supported()) or "avx512_fp16" in flags
+        return _compat.cpu_has_amx_fp16() or "avx512_fp16" in flags
     return True
 
 
@@ -78,7 +98,7 @@ def half_gemm_dtypes(cpu_gemm: CpuGemm) -> tuple[torch.dtype, ...]:
     raise ValueError(f"cpu_gemm must be 'auto', 'fp32' or 'native', got {cpu_gemm!r}")
 
 
-class HalfGemmInFloat32(CustomGraphPass):
+class HalfGemmInFloat32(_compat.CustomGraphPass):  # type: ignore[misc]
     """Compute the bf16/fp16 matrix products and attention of CPU nodes in float32.
 
     Each ``mm``/``addmm``/``bmm``/``baddbmm`` of ``dtypes`` on CPU becomes
@@ -96,9 +116,9 @@ class HalfGemmInFloat32(CustomGraphPass):
 
     * a source's first use widens it once, where it is made;
     * each later use of a source (an activation, or a weight's low-precision copy, met
-      again in the backward) widens it again right before that use, with ATen's
-      ``_autocast_to_full_precision``, an extern call inductor cannot fuse into the
-      forward, so the copy lives only for that product.
+      again in the backward) widens it again right before that use, with
+      :func:`widen`, an extern call inductor cannot fuse into the forward, so the copy
+      lives only for that product.
 
     The step's peak memory is then that of bf16, plus the one widened operand in use.
 
@@ -107,7 +127,7 @@ class HalfGemmInFloat32(CustomGraphPass):
     """
 
     # A step whose tensors are all on a GPU is compiled without this pass (see
-    # fasttorch.steps._without_cpu_only_passes), nor the rounding option it set.
+    # fasttorch.transforms.compiled._without_cpu_only_passes), nor the rounding option it set.
     cpu_only = True
 
     def __init__(self, dtypes: Iterable[torch.dtype], *, set_emulate: bool = False) -> None:
@@ -151,7 +171,7 @@ class HalfGemmInFloat32(CustomGraphPass):
         graph.eliminate_dead_code()
 
     def uuid(self) -> Any:
-        return get_hash_for_files((__file__,), extra=",".join(map(str, self.dtypes)))
+        return _compat.graph_pass_hash((__file__,), ",".join(map(str, self.dtypes)))
 
 
 def _replace_outputs(
@@ -224,7 +244,7 @@ def _widen(
     src, views = _source(arg, dtype)
     if src in again:
         with graph.inserting_before(node):
-            out = graph.call_function(_aten._autocast_to_full_precision.default, (src, False, True))
+            out = graph.call_function(torch.ops.fasttorch.widen.default, (src,))
         out.meta["val"] = src.meta["val"].to(torch.float32)
     else:
         if src not in wide:

@@ -6,16 +6,9 @@ import math
 
 import torch
 
+from fasttorch.phases import GradOut, Metrics, reciprocal, scale_grads, unscaled_norm
 from fasttorch.state import TrainState
-from fasttorch.steps import (
-    GradOut,
-    Metrics,
-    Step,
-    check_wrap,
-    global_norm,
-    reciprocal,
-    scale_grads,
-)
+from fasttorch.steps import Step, check_wrap
 
 __all__ = ["clip_scaled"]
 
@@ -67,12 +60,8 @@ def clip_scaled(step: Step, max_norm: float) -> Step:
     limit = float(max_norm)
 
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
-        norm = g.norm
+        norm = unscaled_norm(g)
         inv = None if g.scale is None else reciprocal(g.scale)
-        if norm is None:
-            norm = global_norm(g.grads)
-            if inv is not None:
-                norm = norm * inv
         coef = torch.clamp(limit / (norm + 1e-6), max=1.0)
         factor = coef if inv is None else coef * inv
         grads = scale_grads(g.grads, factor)

@@ -1,17 +1,43 @@
-"""``compiled``: the whole step under ``torch.compile``."""
+"""``compiled``: the whole step under ``torch.compile``.
+
+The transform installs a :class:`Compiler` as the step's ``jit`` hook: every pure
+function a step runs (the whole step, or a microbatch and a window's update under
+``grad_accumulate``, or the forward and the update under ``sync_on_last``) goes through
+it once and is reused. The rest of this module is what fasttorch adds around
+``torch.compile``: a code object per kernel, inductor options chosen from the first
+call's devices, and the retry of a C++ build it chose.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+import types
 from collections.abc import Callable
 from typing import Any, Literal
 
-from fasttorch.steps import Step, check_wrap, compile_step_fn
+import attrs
+import torch
+import torch.utils._pytree as pytree
+
+from fasttorch import _compat
+from fasttorch.steps import Step, check_wrap, warn_once
 from fasttorch.transforms._cpu_gemm import CpuGemm, HalfGemmInFloat32, half_gemm_dtypes
 
-__all__ = ["compiled"]
+__all__ = ["Compiler", "compile_step_fn", "compiled"]
 
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
+
+@attrs.frozen
+class Compiler:
+    """The ``jit`` hook ``compiled`` installs: ``torch.compile`` with these arguments."""
+
+    options: dict[str, Any]
+
+    def __call__(self, fn: Callable[..., Any], *, cpp_wrapper: bool = False) -> Callable[..., Any]:
+        return compile_step_fn(fn, cpp_wrapper_on_cpu=cpp_wrapper, **self.options)
 
 
 def compiled(
@@ -91,7 +117,7 @@ def compiled(
         )
     if isinstance(step, Step):
         check_wrap(step, "compiled")
-        return step.with_phases("compiled", compile_options=opts)
+        return step.with_phases("compiled", jit=Compiler(opts))
     if not callable(step):
         raise TypeError(f"compiled expects a step or a callable, got {type(step).__name__}")
     if getattr(step, "__fasttorch_compiled__", False):
@@ -130,8 +156,240 @@ def _with_cpu_gemm(
     if theirs is None:
         out["post_grad_custom_pre_pass"] = mine
     else:
-        out["post_grad_custom_pre_pass"] = [
-            mine,
-            *(theirs if isinstance(theirs, (list, tuple)) else [theirs]),
-        ]
+        rest = list(theirs) if isinstance(theirs, (list, tuple)) else [theirs]
+        out["post_grad_custom_pre_pass"] = _compat.CombinedGraphPass([mine, *rest])
+    return out
+
+
+# --------------------------------------------------------------------------- machinery
+
+
+def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a function or bound method) over a fresh copy of its code object."""
+    if isinstance(fn, functools.partial):
+        # torch.compile runs a partial through one shared wrapper frame: a plain function
+        # with code of its own instead.
+        func, bound, named = fn.func, fn.args, fn.keywords
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return func(*bound, *args, **named, **kwargs)
+
+        functools.update_wrapper(call, func)
+        return own_code(call)
+    target = getattr(fn, "__func__", fn)
+    if not isinstance(target, types.FunctionType):
+        return fn
+    copy = types.FunctionType(
+        target.__code__.replace(),
+        target.__globals__,
+        target.__name__,
+        target.__defaults__,
+        target.__closure__,
+    )
+    copy.__kwdefaults__ = target.__kwdefaults__
+    copy.__qualname__ = target.__qualname__
+    copy.__dict__.update(target.__dict__)
+    if target is not fn:  # a bound method
+        return types.MethodType(copy, fn.__self__)  # type: ignore[attr-defined]
+    return copy
+
+
+def compile_step_fn(
+    fn: Callable[..., Any], *, cpp_wrapper_on_cpu: bool = False, **options: Any
+) -> Callable[..., Any]:
+    """``torch.compile(fn)``, called with dynamo allowed to trace ``torch.autograd.grad``.
+
+    ``fn`` gets a code object of its own first: dynamo caches compiled graphs per code
+    object, and every step's kernels share the same source, so without a copy each
+    further compiled step in a process would count as a recompile of the first one (and
+    with ``fullgraph=True`` the ninth would fail on dynamo's recompile limit).
+
+    ``cpp_wrapper_on_cpu``: when every tensor of the first call is on the CPU and the
+    backend is inductor, compile with inductor's C++ wrapper (``cpp_wrapper=True``)
+    unless the caller's options set it. The graph then calls its kernels from C++
+    instead of from a Python function, which shortens the step of a forward and backward
+    with hundreds of small kernels (the wrapper and the kernels compile as two files, see
+    ``_with_cpp_wrapper``). The update graph does not get it: its single kernel with a
+    few hundred arguments compiles more slowly inside a C++ wrapper. Measurements:
+    docs/design.md, "Compile time".
+    """
+    if isinstance(options.get("options"), dict):
+        # torch.compile pops entries (guard_filter_fn) from this dict: one per kernel.
+        options = {**options, "options": dict(options["options"])}
+    compiled_fn: Callable[..., Any] | None = None
+    opts: dict[str, Any] = options
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        nonlocal compiled_fn, opts
+        if compiled_fn is None:  # on the first call, when the tensors' devices are known
+            opts = _without_cpu_only_passes(options, (args, kwargs))
+            if _on_cpu((args, kwargs)):
+                probe_cpu_isa_early(opts)
+            opts = _with_fusion_cap(opts)
+            if cpp_wrapper_on_cpu and _only_on_cpu((args, kwargs)):
+                opts = _with_cpp_wrapper(opts)
+            compiled_fn = torch.compile(own_code(fn), **opts)
+        with _compat.tracing_autograd_ops():
+            try:
+                return compiled_fn(*args, **kwargs)
+            except Exception as err:
+                error = _compat.cpp_compile_error(err)
+                if error is None or not _separate_build_is_ours(options, opts):
+                    raise
+                # One graph (fullgraph), which failed to build: nothing ran, the inputs
+                # are untouched, and the same call can be made again.
+                warn_once(
+                    "compiled: the C++ compiler failed on the wrapper and kernels built as "
+                    "two files (cpp_wrapper_build_separate, which fasttorch sets); building "
+                    "them as one file from now on, as inductor does by default. Pass "
+                    "options={'cpp_wrapper_build_separate': False} to skip the attempt. "
+                    f"The compiler said:\n{_tail(str(error), 4000)}"
+                )
+                inner = {**opts["options"], "cpp_wrapper_build_separate": False}
+                opts = {**opts, "options": inner}
+                compiled_fn = torch.compile(own_code(fn), **opts)
+                return compiled_fn(*args, **kwargs)
+
+    return run
+
+
+def _separate_build_is_ours(options: dict[str, Any], opts: dict[str, Any]) -> bool:
+    """Whether ``opts`` build in two files because ``_with_cpp_wrapper`` set it."""
+    mine = options.get("options") or {}
+    now = opts.get("options") or {}
+    return (
+        opts.get("fullgraph") is True
+        and "cpp_wrapper_build_separate" not in mine
+        and now.get("cpp_wrapper_build_separate") is True
+    )
+
+
+def _tail(text: str, n: int) -> str:
+    return text if len(text) <= n else "..." + text[-n:]
+
+
+def _on_cpu(args: Any) -> bool:
+    return any(
+        isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in pytree.tree_leaves(args)
+    )
+
+
+def _only_on_cpu(args: Any) -> bool:
+    devices = {t.device.type for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)}
+    return devices == {"cpu"}
+
+
+def _with_cpp_wrapper(options: dict[str, Any]) -> dict[str, Any]:
+    """Inductor's options with ``cpp_wrapper=True``, unless the caller set it (any value).
+
+    With it ``cpp_wrapper_build_separate=True``, again unless the caller set it: the
+    wrapper (one large C++ function) and the kernels compile as two files, the wrapper
+    at ``-O1`` and the kernels at ``-O3``, where one file would put the wrapper through
+    ``-O3`` too, which shortens cold compiles (docs/design.md, "Compile time"). Torch
+    leaves the option off by default: where the C++ compiler fails on the two files,
+    ``compile_step_fn`` warns once and builds the graph as one file.
+    """
+    if options.get("backend", "inductor") != "inductor":
+        return options
+    inner = dict(options.get("options") or {})
+    inner.setdefault("cpp_wrapper", True)
+    if _compat.inductor_has_option("cpp_wrapper_build_separate"):
+        inner.setdefault("cpp_wrapper_build_separate", True)
+    return {**options, "options": inner}
+
+
+_ISA_PROBE: list[threading.Thread] = []
+
+
+def probe_cpu_isa_early(options: dict[str, Any]) -> None:
+    """Start inductor's probe of the C++ compiler's vector instruction sets now, in a thread.
+
+    Before its first CPU kernel inductor compiles and loads a small program per
+    candidate instruction set (AVX512, AVX2, ...), once per process and, for the
+    compiler's part, once per cache directory, and the compile waits for it (seconds on
+    a small CPU; docs/design.md, "Compile time"). Started when the step is first
+    called, it runs in the C++ compiler's own processes beside dynamo's tracing and AOT
+    autograd, which come first and need
+    no compiler; by the time code generation asks for the answer it is known. The
+    thread computes what inductor would (``cpu_vec_isa.valid_vec_isa_list``, cached
+    for the process), with the same configuration; where the caller's options change
+    the C++ toolchain (``cpp.*``) or the backend is not inductor, nothing is started and
+    inductor probes in line as usual. Once per process.
+    """
+    if _ISA_PROBE or options.get("backend", "inductor") != "inductor":
+        return
+    inner = options.get("options") or {}
+    if any(k == "cpp" or k.startswith("cpp.") for k in inner):
+        return
+    probe = _compat.cpu_isa_probe()
+    if probe is None:  # inductor reorganized: it probes in line
+        return
+
+    def run() -> None:
+        # On failure inductor probes again in line and reports it there.
+        with contextlib.suppress(Exception):
+            probe()
+
+    thread = threading.Thread(target=run, name="fasttorch-cpu-isa-probe", daemon=True)
+    _ISA_PROBE.append(thread)
+    thread.start()
+
+
+def _without_cpu_only_passes(options: dict[str, Any], args: Any) -> dict[str, Any]:
+    """``options`` less the inductor passes marked ``cpu_only`` when no tensor is on CPU.
+
+    Such a pass (``compiled``'s bf16 matrix-product rewrite) would find nothing to do in
+    a GPU graph, but the rounding option it asks for (``emulate_precision_casts``, when
+    it set it) would still change the GPU kernels.
+    """
+    inner = options.get("options")
+    if not isinstance(inner, dict):
+        return options
+    given = inner.get("post_grad_custom_pre_pass")
+    if isinstance(given, _compat.CombinedGraphPass):
+        passes = list(given.passes)
+    else:
+        passes = list(given) if isinstance(given, (list, tuple)) else [given]
+    mine = [p for p in passes if getattr(p, "cpu_only", False)]
+    if not mine or _on_cpu(args):
+        return options
+    inner = dict(inner)
+    rest = [p for p in passes if p is not None and p not in mine]
+    if rest:
+        inner["post_grad_custom_pre_pass"] = (
+            rest[0] if len(rest) == 1 else _compat.CombinedGraphPass(rest)
+        )
+    else:
+        del inner["post_grad_custom_pre_pass"]
+    if any(getattr(p, "set_emulate", False) for p in mine):
+        inner.pop("emulate_precision_casts", None)
+    return {**options, "options": inner}
+
+
+# Inductor's fusion search tries up to this many partners for each node among the
+# nodes that read the same buffer (64 by default). A step's update reads the same 0-d
+# hyperparameter tensors (lr, betas, loss scale) in every per-parameter node, so each
+# node meets 64 candidates, most of them useless, and the search dominates a cold compile
+# of a model with many small tensors (docs/design.md, "Compile time"). Producer-consumer
+# pairs share their own buffers and are still all found.
+FUSION_ATTEMPTS = 4
+
+
+def _with_fusion_cap(options: dict[str, Any]) -> dict[str, Any]:
+    """``torch.compile`` arguments with the inductor fusion-search cap added.
+
+    Only for the inductor backend, and only where the caller did not set the option.
+    ``torch.compile`` takes ``mode`` or ``options``, not both, so a mode becomes its
+    options (``_compat.inductor_mode_options``, as torch.compile itself does).
+    """
+    if options.get("backend", "inductor") != "inductor":
+        return options
+    out = dict(options)
+    inductor_opts = dict(out.pop("options", None) or {})
+    mode = out.pop("mode", None)
+    if mode is not None and mode != "default":
+        inductor_opts = {**_compat.inductor_mode_options(mode, out.get("dynamic")), **inductor_opts}
+    inductor_opts.setdefault("max_fusion_buffer_group_pairwise_attempts", FUSION_ATTEMPTS)
+    out["options"] = inductor_opts
     return out

@@ -7,10 +7,14 @@ import math
 import torch
 
 from fasttorch import struct
+from fasttorch.phases import GradOut, Metrics, Tensors
 from fasttorch.state import TrainState
-from fasttorch.steps import GradOut, Metrics, Step, Tensors, check_wrap
+from fasttorch.steps import Step, check_wrap
 
-__all__ = ["EmaState", "ema"]
+__all__ = ["KEY", "EmaState", "ema"]
+
+KEY = "ema"
+"""The sub-state key of the average (``state.substates[KEY]``)."""
 
 
 class EmaState(struct.Record):
@@ -96,14 +100,11 @@ def ema(step: Step, decay: float, *, warmup: float | None = None) -> Step:
     rate = 1.0 - float(decay)
 
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
-        old: EmaState = state.substates["ema"]
+        old: EmaState = state.substates[KEY]
         new, metrics = inner(state, g)
-        # The skip flag is on GradOut when with_amp wraps this update, and in the
-        # metrics when this update wraps with_amp's: honour both orders.
-        flags = [f for f in (g.skip, metrics.get("skipped")) if f is not None]
-        skip = None
-        for f in flags:
-            skip = f if skip is None else skip | f
+        # The update phase reports the final skip flag (fasttorch.phases.update_phase),
+        # whichever transforms set it and in whatever order they wrap this one.
+        skip = metrics.get("skipped")
         weight: float | torch.Tensor = rate
         if warmup is not None:
             t = old.count.double()
@@ -122,6 +123,6 @@ def ema(step: Step, decay: float, *, warmup: float | None = None) -> Step:
             averaged = torch._foreach_lerp(olds, news, weight)
         count = old.count + 1 if skip is None else old.count + (~skip).long()
         sub = EmaState(params=dict(zip(names, averaged)), count=count)
-        return new.replace(substates={**new.substates, "ema": sub}), metrics
+        return new.replace(substates={**new.substates, KEY: sub}), metrics
 
-    return step.with_phases("ema", update=update, inits=(*step.inits, ("ema", _init)))
+    return step.with_phases("ema", update=update, inits=(*step.inits, (KEY, _init)))

@@ -6,12 +6,12 @@ import weakref
 from collections import deque
 from typing import Any
 
-import attrs
 import torch
 
 from fasttorch import struct
+from fasttorch.phases import GradOut, Metrics, mark_skip, unscaled_norm
 from fasttorch.state import TrainState, check_alive
-from fasttorch.steps import Batch, GradOut, Metrics, Step, check_wrap, global_norm, reciprocal
+from fasttorch.steps import Step, check_wrap
 
 __all__ = ["NonFiniteError", "NonFiniteState", "skip_nonfinite"]
 
@@ -40,42 +40,35 @@ def _init(state: TrainState) -> NonFiniteState:
     return NonFiniteState(skipped_total=zero, skipped_in_a_row=zero.clone())
 
 
-class _Watch:
-    """Host side of the policy: counter values copied off the device one call late."""
+class _Limit:
+    """The call hook of the policy: counter values copied off the device one call late.
 
-    def __init__(self) -> None:
+    Host-side, around each call and outside any graph (``Step.hooks``).
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
         self.last: weakref.ref[TrainState] | None = None
         self.queue: deque[tuple[torch.Tensor, Any]] = deque()
 
+    def after(self, step: Step, new: TrainState) -> None:
+        if new.device.type == "cpu":
+            return
+        counter = new.substates[KEY].skipped_in_a_row
+        host = torch.empty((), dtype=counter.dtype, pin_memory=True)
+        host.copy_(counter, non_blocking=True)
+        event = torch.cuda.Event() if new.device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        if event is not None:
+            event.record()
+        self.queue.append((host, event))
+        self.last = weakref.ref(new)
 
-@attrs.frozen(slots=False)
-class _GuardedStep(Step):
-    """A :class:`Step` whose call raises :class:`NonFiniteError` past the limit."""
-
-    max_consecutive: int | None = None
-
-    def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-        watch: _Watch = self.__dict__.setdefault("_nonfinite_watch", _Watch())
-        if self.max_consecutive is not None:
-            self._check(watch, state)
-        new, metrics = super().__call__(state, batch)
-        if self.max_consecutive is not None and new.device.type != "cpu":
-            counter = new.substates[KEY].skipped_in_a_row
-            host = torch.empty((), dtype=counter.dtype, pin_memory=True)
-            host.copy_(counter, non_blocking=True)
-            event = torch.cuda.Event() if new.device.type == "cuda" else None  # type: ignore[no-untyped-call]
-            if event is not None:
-                event.record()
-            watch.queue.append((host, event))
-            watch.last = weakref.ref(new)
-        return new, metrics
-
-    def _check(self, watch: _Watch, state: TrainState) -> None:
-        check_alive(state, self.name)
+    def before(self, step: Step, state: TrainState) -> None:
+        check_alive(state, step.name)
         if KEY not in state.substates:
             return
-        limit = self.max_consecutive
-        assert limit is not None
+        limit = self.limit
+        watch = self
         if state.device.type == "cpu":
             # The CPU has finished the previous step when it returns: no wait.
             seen = [int(state.substates[KEY].skipped_in_a_row)]
@@ -89,7 +82,7 @@ class _GuardedStep(Step):
             sub: NonFiniteState = state.substates[KEY]
             total = int(sub.skipped_total) if state.device.type == "cpu" else "?"
             raise NonFiniteError(
-                f"step {self.name!r}: the last {max(seen)} updates in a row had non-finite "
+                f"step {step.name!r}: the last {max(seen)} updates in a row had non-finite "
                 f"gradients (inf or NaN) and were skipped, reaching "
                 f"max_consecutive={limit} ({total} skipped in all, at step "
                 f"{int(state.step)}). The state passed to this call is the last one "
@@ -165,14 +158,11 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 20) -> Step:
 
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         counts: NonFiniteState = state.substates[KEY]
-        norm = g.norm
-        if norm is None:
-            norm = global_norm(g.grads)
-            if g.scale is not None:
-                norm = norm * reciprocal(g.scale)
-        found = ~torch.isfinite(norm)
-        skip = found if g.skip is None else g.skip | found
-        new, metrics = inner(state, g.replace(norm=norm, skip=skip))
+        norm = unscaled_norm(g)
+        g = mark_skip(g.replace(norm=norm), ~torch.isfinite(norm))
+        skip = g.skip
+        assert skip is not None
+        new, metrics = inner(state, g)
         counts = NonFiniteState(
             skipped_total=counts.skipped_total + skip.long(),
             skipped_in_a_row=torch.where(skip, counts.skipped_in_a_row + 1, 0),
@@ -181,6 +171,7 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 20) -> Step:
         metrics["skipped"] = skip
         return new, metrics
 
-    changed = step.with_phases("skip_nonfinite", update=update, inits=(*step.inits, (KEY, _init)))
-    fields = {f.name: getattr(changed, f.name) for f in attrs.fields(Step)}
-    return _GuardedStep(**fields, max_consecutive=max_consecutive)
+    hooks = step.hooks if max_consecutive is None else (*step.hooks, _Limit(max_consecutive))
+    return step.with_phases(
+        "skip_nonfinite", update=update, inits=(*step.inits, (KEY, _init)), hooks=hooks
+    )

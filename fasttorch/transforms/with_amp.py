@@ -7,22 +7,24 @@ from typing import Literal
 import attrs
 import torch
 
-from fasttorch import struct
-from fasttorch.state import TrainState
-from fasttorch.steps import (
+from fasttorch import _compat, struct
+from fasttorch.phases import (
     Batch,
     GradOut,
     Loss,
     LossPhase,
     Metrics,
-    Step,
     Tensors,
-    check_wrap,
-    global_norm,
-    warn_once,
+    mark_skip,
+    unscaled_norm,
 )
+from fasttorch.state import TrainState
+from fasttorch.steps import Step, check_wrap, warn_once
 
-__all__ = ["LossScaleState", "resolve_precision", "with_amp"]
+__all__ = ["KEY", "LossScaleState", "resolve_precision", "with_amp"]
+
+KEY = "amp"
+"""The sub-state key of the fp16 loss scale (``state.substates[KEY]``)."""
 
 Precision = Literal["bf16", "fp16", "auto"]
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -102,7 +104,7 @@ def _native_bf16(device_type: str) -> tuple[bool, str]:
             return True, f"{torch.cuda.get_device_name()} computes bf16 natively"
         return False, "this GPU has no native bf16 (compute capability < 8.0)"
     if device_type == "cpu":
-        if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported():
+        if _compat.cpu_has_bf16_units():
             return True, "this CPU has AVX512-BF16/AMX bf16 instructions"
         return False, "this CPU has no AVX512-BF16 or AMX instructions, bf16 would be emulated"
     return True, f"assuming {device_type} supports bf16"
@@ -182,23 +184,19 @@ def with_amp(
     inner_grad, inner_update = step.grad, step.update
 
     def grad(loss: LossPhase, state: TrainState, batch: Batch, mult: object) -> GradOut:
-        scale = state.substates["amp"].scale
+        scale = state.substates[KEY].scale
         return inner_grad(loss, state, batch, mult * scale).replace(scale=scale)
 
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
-        ls: LossScaleState = state.substates["amp"]
-        norm = g.norm
-        if norm is None:
-            norm = global_norm(g.grads)
-            if g.scale is not None:
-                norm = norm * g.scale.double().reciprocal().float()
+        ls: LossScaleState = state.substates[KEY]
+        norm = unscaled_norm(g)
         found_inf = ~torch.isfinite(norm)
-        skip = found_inf if g.skip is None else g.skip | found_inf
-        new, metrics = inner_update(state, g.replace(norm=norm, skip=skip))
-        new = new.replace(substates={**new.substates, "amp": rule.adjust(ls, found_inf)})
+        g = mark_skip(g.replace(norm=norm), found_inf)
+        new, metrics = inner_update(state, g)
+        new = new.replace(substates={**new.substates, KEY: rule.adjust(ls, found_inf)})
         # A copy: with donation the state's own scale tensor is overwritten next step.
         metrics["loss_scale"] = ls.scale.clone()
-        metrics["skipped"] = skip
+        metrics["skipped"] = g.skip
         return new, metrics
 
     return step.with_phases(
@@ -206,5 +204,5 @@ def with_amp(
         loss=loss,
         grad=grad,
         update=update,
-        inits=(*step.inits, ("amp", rule.init)),
+        inits=(*step.inits, (KEY, rule.init)),
     )

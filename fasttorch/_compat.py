@@ -1,0 +1,225 @@
+"""Every use of a private torch API in fasttorch, in one place.
+
+A torch upgrade should touch this file only. Each entry is feature-detected (never a
+version comparison), says in one line why fasttorch needs it, and names the upstream
+code or issue it depends on. Nothing else in the package imports ``torch._dynamo``,
+``torch._inductor`` or ``torch._C``, or calls a private ATen op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CPU_ATTENTION",
+    "CPU_ATTENTION_BACKWARD",
+    "CombinedGraphPass",
+    "CustomGraphPass",
+    "assert_async",
+    "autograd_profiler_enabled",
+    "cpp_compile_error",
+    "cpu_has_amx_fp16",
+    "cpu_has_bf16_units",
+    "cpu_isa_probe",
+    "dynamo_counters",
+    "dynamo_reset",
+    "graph_pass_hash",
+    "inductor_has_option",
+    "inductor_mode_options",
+    "is_optimized_module",
+    "tracing_autograd_ops",
+]
+
+# --------------------------------------------------------------------------- dynamo
+
+
+def tracing_autograd_ops() -> contextlib.AbstractContextManager[Any]:
+    """Let dynamo trace ``torch.autograd.grad`` inside a compiled step.
+
+    Why: the whole step (forward, backward, update) is one graph only if dynamo traces
+    the backward call; ``torch._dynamo.config.trace_autograd_ops`` turns that on where
+    it exists (``torch/_dynamo/config.py``, added in 2.11; without it dynamo reports
+    "torch.autograd.grad with trace_autograd_ops=False"). Where the option is missing
+    this is a no-op, and tracing the backward fails as that release fails.
+    """
+    config = torch._dynamo.config
+    if hasattr(config, "trace_autograd_ops"):
+        return config.patch(trace_autograd_ops=True)  # type: ignore[no-any-return]
+    return contextlib.nullcontext()
+
+
+def dynamo_reset() -> None:
+    """``torch._dynamo.reset()``: forget compiled graphs, so a test counts from zero."""
+    torch._dynamo.reset()
+
+
+def dynamo_counters() -> Any:
+    """``torch._dynamo.utils.counters``: graph breaks and recompiles, for the contract checks."""
+    return torch._dynamo.utils.counters
+
+
+def is_optimized_module(module: Any) -> bool:
+    """Whether ``module`` is ``torch.compile(module)``'s wrapper (its keys gain ``_orig_mod.``).
+
+    Upstream: ``torch._dynamo.eval_frame.OptimizedModule`` has no public alias.
+    """
+    optimized = getattr(getattr(torch._dynamo, "eval_frame", None), "OptimizedModule", None)
+    return optimized is not None and isinstance(module, optimized)
+
+
+# --------------------------------------------------------------------------- inductor
+
+
+def inductor_has_option(name: str) -> bool:
+    """Whether this torch's inductor knows the config option ``name``.
+
+    Why: options come and go between releases (``cpp_wrapper_build_separate`` appeared
+    in 2.8); passing an unknown one to ``torch.compile`` is an error.
+    """
+    from torch._inductor import config
+
+    return hasattr(config, name)
+
+
+def inductor_mode_options(mode: str, dynamic: bool | None) -> dict[str, Any]:
+    """The inductor options a ``torch.compile`` mode stands for.
+
+    Why: ``torch.compile`` takes ``mode`` or ``options``, not both; to add an option to a
+    mode, fasttorch expands the mode as ``torch.compile`` itself does
+    (``torch._inductor.list_mode_options``).
+    """
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode, dynamic))
+
+
+def cpp_compile_error(err: BaseException) -> BaseException | None:
+    """The C++ compiler's error in ``err``'s chain of causes, if there is one.
+
+    Why: ``compiled`` retries a two-file C++ build that it chose as one file when the
+    compiler fails; inductor raises ``torch._inductor.exc.CppCompileError`` for that.
+    """
+    try:
+        from torch._inductor.exc import CppCompileError
+    except ImportError:  # renamed upstream: no retry, the error goes to the caller
+        return None
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        if isinstance(e, CppCompileError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def cpu_isa_probe() -> Callable[[], Any] | None:
+    """Inductor's probe of the C++ compiler's vector instruction sets, if it has one.
+
+    Why: ``compiled`` starts it in a thread while dynamo traces, so a cold CPU compile
+    does not wait 7-16 s for it (``torch._inductor.cpu_vec_isa.valid_vec_isa_list``,
+    cached by inductor for the process).
+    """
+    try:
+        from torch._inductor import cpu_vec_isa
+    except ImportError:
+        return None
+    probe = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
+    return probe if callable(probe) else None
+
+
+try:  # the base class inductor requires of a custom graph pass, for its cache key
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+except ImportError:  # pragma: no cover - every supported release has it
+
+    class CustomGraphPass:  # type: ignore[no-redef]
+        """Stand-in where inductor has no custom graph passes: never used as one."""
+
+        def uuid(self) -> Any:
+            return None
+
+    def get_hash_for_files(paths: tuple[str, ...], extra: str = "") -> bytes:  # type: ignore[misc]
+        return repr((paths, extra)).encode()
+
+
+def graph_pass_hash(paths: tuple[str, ...], extra: str) -> Any:
+    """A cache key for a graph pass defined in ``paths`` with settings ``extra``."""
+    return get_hash_for_files(paths, extra)
+
+
+class CombinedGraphPass(CustomGraphPass):  # type: ignore[misc]
+    """Several graph passes as one, run in order.
+
+    Why: inductor releases up to 2.12 call ``post_grad_custom_pre_pass`` directly, so a
+    list there fails with "'list' object is not callable"; one pass object works on
+    every release (``torch/_inductor/fx_passes/post_grad.py``).
+    """
+
+    def __init__(self, passes: list[Any]) -> None:
+        self.passes = list(passes)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self) -> Any:
+        parts = [p.uuid() if hasattr(p, "uuid") else repr(p) for p in self.passes]
+        return repr(parts)
+
+
+# --------------------------------------------------------------------------- ATen
+
+
+def _op(name: str) -> Any:
+    return getattr(torch.ops.aten, name).default
+
+
+# CPU attention's own kernels, forward and backward, which the same pass runs in float32.
+CPU_ATTENTION = _op("_scaled_dot_product_flash_attention_for_cpu")
+CPU_ATTENTION_BACKWARD = _op("_scaled_dot_product_flash_attention_for_cpu_backward")
+
+
+def assert_async(condition: torch.Tensor, message: str) -> None:
+    """Raise where ``condition`` (a bool tensor) is false, without a Python branch on it.
+
+    Why: the reducer checks that ranks agree without a host read inside the step;
+    ``torch._assert_async`` raises on CPU at once (it is a device assert on CUDA).
+    """
+    torch._assert_async(condition, message)
+
+
+@functools.cache
+def cpu_has_bf16_units() -> bool:
+    """Whether this CPU has AVX512-BF16 or AMX tiles (bf16 matrix products in hardware).
+
+    Why: ``with_amp("auto")`` and ``compiled``'s CPU matrix-product pass choose by it;
+    torch exposes the check only as ``torch.cpu._is_avx512_bf16_supported`` /
+    ``_is_amx_tile_supported``. Where neither exists the answer is "no".
+    """
+    cpu = torch.cpu
+    checks = [
+        getattr(cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    ]
+    return any(bool(c()) for c in checks if callable(c))
+
+
+@functools.cache
+def cpu_has_amx_fp16() -> bool:
+    """Whether this CPU has AMX-FP16 (``torch.cpu._is_amx_fp16_supported``), else ``False``."""
+    check = getattr(torch.cpu, "_is_amx_fp16_supported", None)
+    return bool(check()) if callable(check) else False
+
+
+def autograd_profiler_enabled() -> bool:
+    """Whether the autograd profiler is running (``torch._C._autograd._profiler_enabled``).
+
+    Why: ``tune_device`` refuses to time kernels under a profiler, whose overhead would
+    decide the choice; torch has no public query.
+    """
+    check = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
+    return bool(check()) if callable(check) else False

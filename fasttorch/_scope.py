@@ -1,0 +1,50 @@
+"""How the running eager call goes: the one piece of context the phases read.
+
+A contextvar, not an argument, because the driver must tell the innermost phases how
+this call runs (its state is donated; its backward adds into the module's ``.grad``)
+without every transform in between threading a value it never reads. Graphs never read
+it: each reader checks ``torch.compiler.is_compiling()`` first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["CallScope", "current", "scope"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CallScope:
+    """``in_place``: the call donates its state, so phases may update its tensors in place.
+    ``into``: an eager accumulation window whose backward adds into the module's ``.grad``
+    (a :class:`fasttorch.phases.IntoGrad`), or ``None``.
+    """
+
+    in_place: bool = False
+    into: Any = None
+
+
+_SCOPE: contextvars.ContextVar[CallScope] = contextvars.ContextVar(
+    "fasttorch_call_scope",
+    default=CallScope(),  # noqa: B039 (frozen: never changed, only replaced)
+)
+
+
+def current() -> CallScope:
+    """The scope of the running call (the default one outside any call)."""
+    return _SCOPE.get()
+
+
+@contextlib.contextmanager
+def scope(**changes: Any) -> Iterator[CallScope]:
+    """Run the block with the current scope's fields changed as given."""
+    new = dataclasses.replace(_SCOPE.get(), **changes)
+    token = _SCOPE.set(new)
+    try:
+        yield new
+    finally:
+        _SCOPE.reset(token)

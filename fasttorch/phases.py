@@ -1,0 +1,480 @@
+"""The phases of a step and the contract between them.
+
+A :class:`fasttorch.Step` runs three phases, pure functions that transforms replace one
+at a time:
+
+* ``loss(state, params, buffers, batch) -> Loss``: the forward pass through the user's
+  loss function (``with_amp`` wraps it in autocast);
+* ``grad(loss, state, batch, mult) -> GradOut``: gradients of ``loss * mult`` for one
+  (micro)batch (``with_amp`` multiplies in the loss scale);
+* ``update(state, grads) -> (state, metrics)``: optimizer update (``clip_scaled`` and
+  ``with_amp`` act before it).
+
+:class:`GradOut` carries the gradients from one to the next with what the transforms in
+between learned about them (the loss scale they still carry, their true norm, whether
+to skip the update); :func:`unscaled_norm` and :func:`mark_skip` are the two things
+every transform that inspects gradients does with it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any, TypeAlias
+
+import torch
+import torch.utils._pytree as pytree
+from torch.func import functional_call
+
+from fasttorch import _scope, struct
+from fasttorch.optim._base import computed_once, in_cpu_graph
+from fasttorch.state import TrainState
+
+__all__ = [
+    "GradOut",
+    "IntoGrad",
+    "Loss",
+    "ModuleTensors",
+    "as_loss",
+    "batch_size",
+    "constant",
+    "describe",
+    "global_norm",
+    "grad_phase",
+    "loss_phase",
+    "mark_skip",
+    "module_tensors",
+    "reciprocal",
+    "scale_grads",
+    "unscaled_norm",
+    "update_phase",
+]
+
+Batch: TypeAlias = Any
+Metrics: TypeAlias = dict[str, Any]
+Tensors: TypeAlias = dict[str, torch.Tensor]
+
+
+class Loss(struct.Record):
+    """What a loss function may return when a bare scalar is not enough.
+
+    Attributes:
+        value: the mean loss over ``weight`` samples or tokens (a 0-d float tensor).
+        weight: how many samples or tokens ``value`` averages over (for a masked
+            token loss, ``mask.sum()``). Defaults to the batch's leading dimension.
+            Accumulation and data parallelism weight each microbatch by it, so the
+            result is the mean over the whole batch whatever the microbatch sizes.
+        aux: auxiliary outputs (a pytree of tensors), returned in ``metrics["aux"]``.
+    """
+
+    value: torch.Tensor
+    weight: Any = None
+    aux: Any = None
+
+
+class GradOut(struct.Record):
+    """Gradients of one batch (or accumulation window) on their way to the optimizer.
+
+    Attributes:
+        grads: gradients by parameter name; they equal the true gradients times
+            ``scale`` when ``scale`` is set. The update phase takes them over and may
+            overwrite them in place (they are fresh tensors, never the state's own).
+        value: the mean loss.
+        weight: the samples or tokens the mean is over.
+        aux: the loss function's auxiliary outputs, or ``None``.
+        scale: the loss scale the gradients still carry, or ``None`` once unscaled.
+        norm: global L2 norm of the true (unscaled, unclipped) gradients, once known.
+        skip: a bool tensor: when true the update is not applied (non-finite grads).
+    """
+
+    grads: Tensors
+    value: torch.Tensor
+    weight: torch.Tensor
+    aux: Any = None
+    scale: torch.Tensor | None = None
+    norm: torch.Tensor | None = None
+    skip: torch.Tensor | None = None
+
+
+LossFn: TypeAlias = Callable[[Callable[..., Any], Batch], Any]
+LossPhase: TypeAlias = Callable[[TrainState, Tensors, Tensors, Batch], Loss]
+GradPhase: TypeAlias = Callable[[LossPhase, TrainState, Batch, Any], GradOut]
+UpdatePhase: TypeAlias = Callable[[TrainState, GradOut], "tuple[TrainState, Metrics]"]
+
+
+def loss_phase(loss_fn: LossFn) -> LossPhase:
+    """The loss phase of ``fasttorch.step(loss_fn)``: ``loss_fn(apply, batch)`` as a ``Loss``."""
+    name = getattr(loss_fn, "__name__", repr(loss_fn))
+
+    def loss(state: TrainState, params: Tensors, buffers: Tensors, batch: Batch) -> Loss:
+        def apply(*args: Any, **kwargs: Any) -> Any:
+            if type(params) is ModuleTensors:  # the module's own tensors: call it as is
+                return state.module(*args, **kwargs)
+            return functional_call(state.module, (params, buffers), args, kwargs)
+
+        if torch.compiler.is_compiling():
+            out = loss_fn(apply, batch)
+        else:
+            try:
+                out = loss_fn(apply, batch)
+            except Exception as e:
+                e.add_note(
+                    f"fasttorch: raised inside loss function {name!r}, called as "
+                    f"{name}(apply, batch) with batch = {describe(batch)}"
+                )
+                raise
+        return as_loss(out, batch, name)
+
+    return loss
+
+
+def as_loss(out: Any, batch: Batch, name: str) -> Loss:
+    """Normalize a loss function's return value to a :class:`Loss`, checking it."""
+    if isinstance(out, Loss):
+        loss = out
+    elif isinstance(out, tuple) and len(out) == 2:
+        loss = Loss(out[0], aux=out[1])
+    else:
+        loss = Loss(out)
+    v = loss.value
+    if not isinstance(v, torch.Tensor) or v.ndim != 0 or not v.is_floating_point():
+        got = (
+            f"a tensor of shape {tuple(v.shape)} and dtype {v.dtype}"
+            if isinstance(v, torch.Tensor)
+            else type(v).__name__
+        )
+        raise ValueError(
+            f"loss function {name!r} must return the mean loss as a 0-d floating tensor "
+            f"(or (loss, aux), or fasttorch.Loss); got {got}. Reduce it with .mean(), "
+            "or return fasttorch.Loss(per_item.sum() / count, weight=count)"
+        )
+    weight = loss.weight if loss.weight is not None else batch_size(batch)
+    if not isinstance(weight, torch.Tensor):
+        weight = constant(float(weight), device=v.device)
+    return Loss(v, weight.to(torch.float32), loss.aux)
+
+
+_CONSTANTS: dict[tuple[float, torch.dtype, torch.device, bool], torch.Tensor] = {}
+
+
+def constant(x: float, *, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x`` as a 0-d tensor; in eager mode the same tensor each time.
+
+    Nothing is allocated per step for a sample count or a ``1/n``, and an eager window
+    sees by identity, not by reading values, that its microbatches weigh the same, so
+    it skips multiplying and dividing by factors that are exactly 1. A tensor that
+    anything wrote into (its version moved) is replaced.
+    """
+    if torch.compiler.is_compiling():
+        return torch.tensor(x, dtype=dtype, device=device)
+    key = (x, dtype, device, torch.is_inference_mode_enabled())
+    t = _CONSTANTS.get(key)
+    if t is None or t._version != 0:
+        if len(_CONSTANTS) >= 256:
+            _CONSTANTS.clear()
+        t = _CONSTANTS[key] = torch.tensor(x, dtype=dtype, device=device)
+    return t
+
+
+def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> GradOut:
+    """Gradients of ``loss.value * mult`` with respect to ``state.params``.
+
+    ``mult`` carries the factors transforms put on the loss before backward: ``1/n``
+    for accumulation, the loss scale for fp16. The gradients come from
+    ``torch.autograd.grad`` on detached leaves (``compiled`` lets dynamo trace it), as
+    ``loss.backward()`` computes them; parameters the loss does not use get zeros.
+    ``loss`` gets the very tensors that are differentiated as its ``params``, so a loss
+    that registers hooks on them (``sync_on_last``'s reducer) sees each gradient as the
+    backward produces it.
+    """
+    compiling = torch.compiler.is_compiling()
+    direct = None if compiling else module_tensors(state)
+    into = None if compiling else _scope.current().into
+    if into is not None and direct is not None:
+        return _grad_into_module(loss, state, direct, batch, mult, into)
+    params: Tensors = (
+        direct
+        if direct is not None
+        else {k: p.detach().requires_grad_() for k, p in state.params.items()}
+    )
+    with torch.enable_grad():
+        out = loss(state, params, state.buffers, batch)
+        grads = torch.autograd.grad(
+            out.value * mult, list(params.values()), allow_unused=True, materialize_grads=True
+        )
+    aux = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out.aux)
+    return GradOut(
+        grads=dict(zip(params, grads)), value=out.value.detach(), weight=out.weight, aux=aux
+    )
+
+
+class IntoGrad:
+    """An eager window accumulating in the module's ``.grad`` (see ``_grad_into_module``).
+
+    ``grad_accumulate`` puts one in the call scope (``_scope``) for the window.
+    """
+
+    first: torch.Tensor | None = None  # the first microbatch's weight
+    same: bool = True  # every microbatch's weight is that same tensor (factors exactly 1)
+
+
+def _grad_into_module(
+    loss: LossPhase,
+    state: TrainState,
+    params: ModuleTensors,
+    batch: Batch,
+    mult: Any,
+    into: IntoGrad,
+) -> GradOut:
+    """Backward into the module's ``.grad``, as ``loss.backward()`` does; no grads returned.
+
+    ``torch.autograd.grad`` hands over all of a microbatch's gradients at once, which
+    then go into the window: one gradient set more at the peak than the plain loop,
+    whose backward adds each gradient into ``.grad`` as soon as it exists. Here the
+    engine does that. The window's gradient is ``sum_i w_i * grad(value_i) / sum_i w_i``;
+    microbatch ``i`` backpropagates ``value_i`` with the seed ``mult * (w_i / w_1)``
+    (``mult`` is ``1/n``, times the loss scale under fp16; the plain loop's
+    ``(value / n).backward()`` seeds ``value`` with the same ``1/n``), and the driver
+    divides the sum by ``sum_i w_i / (n * w_1)`` at the end. With equal weights both
+    factors are exactly 1 and this is the plain loop, operation for operation.
+    """
+    with torch.enable_grad():
+        out = loss(state, params, state.buffers, batch)
+        v = out.value
+        seed = (
+            mult.to(v.dtype)
+            if isinstance(mult, torch.Tensor)
+            else constant(float(mult), device=v.device, dtype=v.dtype)
+        )
+        if into.first is None:
+            into.first = out.weight
+        elif out.weight is not into.first:
+            into.same = False
+            seed = seed * (out.weight / into.first)
+        inputs = _backward_inputs(params, state.module, v, batch)
+        torch.autograd.backward(v, grad_tensors=seed, inputs=inputs)
+    aux = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out.aux)
+    return GradOut(grads={}, value=out.value.detach(), weight=out.weight, aux=aux)
+
+
+# Per module: whether the first loss graph checked reached no leaf but its parameters.
+_LEAVES_ARE_PARAMS: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def _backward_inputs(
+    params: ModuleTensors, module: Any, value: torch.Tensor, batch: Batch
+) -> list[torch.Tensor] | None:
+    """``inputs=`` for the backward of ``value``: ``None`` where a plain backward reaches
+    the parameters in ``params`` and no other tensor that requires grad.
+
+    Given ``inputs``, the engine first marks the nodes that lead to them and then
+    consults the marks at every node: 2-4% of the benchmark MLP's eager step
+    (docs/design.md). Without it the backward accumulates into every leaf it reaches,
+    as ``loss.backward()`` in the plain loop does. That is the parameters alone when
+    every parameter of the module that requires grad is in ``params``, no tensor in the
+    batch requires grad, and the loss's graph reached no other leaf when it was first
+    checked, once per module (a walk over its nodes). Otherwise the parameters are
+    passed as ``inputs``, and nothing else gets a ``.grad``.
+    """
+    if not params.complete or any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(batch)
+    ):
+        return list(params.values())
+    ok = _LEAVES_ARE_PARAMS.get(module)
+    if ok is None:
+        ok = _LEAVES_ARE_PARAMS[module] = _leaves_within(value, params.values())
+    return None if ok else list(params.values())
+
+
+def _leaves_within(value: torch.Tensor, leaves: Any) -> bool:
+    """Whether every leaf the backward of ``value`` accumulates into is in ``leaves``."""
+    allowed = {id(t) for t in leaves}
+    seen: set[Any] = set()
+    stack = [value.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if variable is not None and id(variable) not in allowed:
+            return False
+        stack.extend(fn for fn, _ in node.next_functions)
+    return True
+
+
+class ModuleTensors(dict[str, torch.Tensor]):
+    """The module's own parameters, standing for ``state.params`` (same storage).
+
+    ``complete``: every parameter of the module that requires grad is among them.
+    """
+
+    complete: bool = False
+
+
+_MODULE_PARAMS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def module_tensors(state: TrainState) -> ModuleTensors | None:
+    """The module's own parameters when the state's tensors are still the module's.
+
+    A donated state shares storage with its module (``TrainState.create`` takes no
+    copy and donating steps update in place). Then the module can run as it is, and
+    ``torch.autograd.grad`` can differentiate its own parameters: the same graph and
+    numbers as ``functional_call`` without swapping every tensor in and out on every
+    call, which costs more than the arithmetic of a small model. Any state whose
+    tensors are not the module's (copying semantics, a loaded checkpoint) gets ``None``
+    and goes through ``functional_call``.
+    """
+    if not _scope.current().in_place:
+        return None
+    module = state.module
+    cached = _MODULE_PARAMS.get(module)
+    if cached is None:
+        named: dict[str, torch.Tensor] = dict(module.named_parameters())
+        tensors = dict(named)
+        tensors.update(module.named_buffers())
+        cached = [named, tensors, None]
+        _MODULE_PARAMS[module] = cached
+    named, tensors, last = cached
+    # The microbatches of one call share the state's dicts (records are immutable):
+    # the answer for them is the one just found.
+    if last is not None and last[0] is state.params and last[1] is state.buffers:
+        return last[2]  # type: ignore[no-any-return]
+    out: ModuleTensors | None = ModuleTensors()
+    for group in (state.params, state.buffers):
+        for k, t in group.items():
+            m = tensors.get(k)
+            if m is None or m.data_ptr() != t.data_ptr() or m.shape != t.shape:
+                out = None
+                break
+        if out is None:
+            break
+    if out is not None:
+        for k in state.params:
+            p = named.get(k)
+            if p is None or not p.requires_grad:
+                out = None
+                break
+            out[k] = p
+    if out is not None:
+        out.complete = sum(p.requires_grad for p in named.values()) == len(out)
+    cached[2] = (state.params, state.buffers, out)
+    return out
+
+
+def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
+    """Unscale if needed, apply the optimizer, honour ``g.skip``; pure.
+
+    Metrics: ``loss``, ``grad_norm`` (unscaled), ``lr``, ``aux`` if any, and ``skipped``
+    whenever a transform marked the update skippable (:func:`mark_skip`), so a
+    transform wrapping this phase reads the final skip flag from the metrics whatever
+    the order it was applied in.
+    """
+    grads, norm = g.grads, unscaled_norm(g)
+    if g.scale is not None:
+        grads = scale_grads(grads, reciprocal(g.scale))
+    opt = state.optimizer
+    lr = opt.learning_rate(state.opt_state, state.step)
+    # Eager and donating: update the state's tensors in place (fresh tensors cost more
+    # than the arithmetic on CPU). Not when a skip must keep the old values around.
+    inplace = g.skip is None and not torch.compiler.is_compiling() and _scope.current().in_place
+    params, opt_state = opt.update(
+        state.params, grads, state.opt_state, state.step, inplace=inplace
+    )
+    if g.skip is not None:
+        keep = g.skip
+        params, opt_state = pytree.tree_map(
+            lambda old, new: torch.where(keep, old, new),
+            (state.params, state.opt_state),
+            (params, opt_state),
+        )
+    metrics: Metrics = {
+        "loss": g.value,
+        "grad_norm": norm,
+        # A copy: a constant lr is a state tensor, overwritten in place under donation.
+        "lr": lr.clone(),
+    }
+    if g.aux is not None:
+        metrics["aux"] = g.aux
+    if g.skip is not None:
+        metrics["skipped"] = g.skip
+    return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+
+
+def unscaled_norm(g: GradOut) -> torch.Tensor:
+    """The global norm of ``g``'s true gradients: ``g.norm`` once known, else computed.
+
+    Gradients that still carry a loss scale have their norm divided by it, as
+    ``GradScaler.unscale_`` followed by ``clip_grad_norm_`` computes it.
+    """
+    if g.norm is not None:
+        return g.norm
+    norm = global_norm(g.grads)
+    return norm if g.scale is None else norm * reciprocal(g.scale)
+
+
+def mark_skip(g: GradOut, skip: torch.Tensor) -> GradOut:
+    """``g`` with its update also skipped where ``skip`` (a bool tensor) is true."""
+    return g.replace(skip=skip if g.skip is None else g.skip | skip)
+
+
+def reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` computed as ``GradScaler`` does (in float64, then float32)."""
+    return scale.double().reciprocal().float()
+
+
+def scale_grads(grads: Mapping[str, torch.Tensor], factor: torch.Tensor) -> Tensors:
+    """``grads`` times ``factor``: in place in eager mode (the update phase owns them).
+
+    In a graph, out of place: an in-place multiply of a graph input (the accumulation
+    window's gradients) would be written back into it, a copy of every gradient for
+    nothing. The same multiplication either way, so the same bits.
+    """
+    ts = list(grads.values())
+    if in_cpu_graph(ts):
+        # a multiply per tensor by a factor computed once (computed_once)
+        (factor,) = computed_once(factor)
+        return {k: t * factor for k, t in grads.items()}
+    if torch.compiler.is_compiling():
+        return dict(zip(grads, torch._foreach_mul(ts, factor)))
+    torch._foreach_mul_(ts, factor)
+    return dict(grads)
+
+
+def global_norm(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm, computed as ``torch.nn.utils.clip_grad_norm_`` does.
+
+    In a CPU graph the per-tensor norms are ``linalg.vector_norm`` reductions, which
+    inductor generates and fuses with what computes the gradients (the mean over an
+    accumulation window); ``_foreach_norm`` has no CPU lowering and would need every
+    gradient written out first for the ATen call. On CPU ``_foreach_norm`` is that same
+    per-tensor call in eager mode.
+    """
+    ts = list(tensors.values())
+    if in_cpu_graph(ts):
+        norms = [torch.linalg.vector_norm(t) for t in ts]
+    else:
+        norms = list(torch._foreach_norm(ts))
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms))
+    return total
+
+
+def describe(batch: Batch) -> str:
+    """A short description of a batch's structure: types, shapes, dtypes, devices."""
+
+    def leaf(x: Any) -> str:
+        if isinstance(x, torch.Tensor):
+            return f"Tensor{tuple(x.shape)}:{str(x.dtype).removeprefix('torch.')}@{x.device}"
+        return type(x).__name__
+
+    text = str(pytree.tree_map(leaf, batch))
+    return text if len(text) < 300 else text[:297] + "..."
+
+
+def batch_size(batch: Batch) -> int:
+    """Leading dimension of the batch's first tensor (1 for a batch without one)."""
+    for x in pytree.tree_leaves(batch):
+        if isinstance(x, torch.Tensor) and x.ndim > 0:
+            return int(x.shape[0])
+    return 1
