@@ -10,6 +10,7 @@ from fasttorch.transforms.ema import EmaState, ema
 from fasttorch.transforms.grad_accumulate import grad_accumulate
 from fasttorch.transforms.nonfinite import NonFiniteError, NonFiniteState, skip_nonfinite
 from fasttorch.transforms.profiled import Profiled, profiled
+from fasttorch.transforms.scale_loss import scale_loss
 from fasttorch.transforms.with_amp import LossScaleState, with_amp
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "ema",
     "grad_accumulate",
     "profiled",
+    "scale_loss",
     "skip_nonfinite",
     "with_amp",
 ]
