@@ -759,12 +759,13 @@ def save(
 
     Everything in the state is saved: parameters, buffers, optimizer state and
     hyperparameters, step, loss scale and its counters, accumulation window (its
-    position included), EMA copies, the RNG of each rank. ``data`` is any picklable
-    object (an epoch and batch index, a sampler's state), saved per rank. The
-    checkpoint is written as ``directory/.tmp.<name>.<id>`` and renamed to
-    ``directory/<name>`` only once complete, so an interrupted save (even ``kill -9``)
-    leaves earlier checkpoints untouched and is never returned by :func:`latest`.
-    Call it between steps, on every rank of a distributed job (a collective).
+    position included), EMA copies, the RNG of each rank. ``data`` is JSON (dicts with
+    ``str`` keys, lists, ``str``, ``int``, finite ``float``, ``bool``, ``None``), saved
+    per rank and returned by :func:`load` equal to what you passed. The checkpoint is
+    written as ``directory/.tmp.<name>.<id>`` and renamed to ``directory/<name>`` only
+    once complete, so an interrupted save (even ``kill -9``) leaves earlier checkpoints
+    untouched and is never returned by :func:`latest`. Call it between steps, on every
+    rank of a distributed job (a collective).
 
     Args:
         directory: where checkpoints live (created if needed; shared by all ranks).
@@ -772,14 +773,17 @@ def save(
         data: your position in the data, returned by :func:`load` on the same rank.
         name: the checkpoint's directory name; default ``step_<step>`` (with
             ``_micro<k>`` inside an accumulation window). An existing checkpoint of
-            that name is replaced atomically.
-        keep_last: if set, delete all but this many newest checkpoints afterwards.
+            that name is replaced; at every moment one of the two copies is complete
+            and found by :func:`latest` (the old one as ``.old.<name>.<id>``, see
+            there), and the old one is deleted only once the new one is in place.
+        keep_last: if set, then :func:`prune` to this many afterwards (rank 0).
 
     Returns:
         The path of the new checkpoint.
 
     Raises:
-        CheckpointError: the write failed (on any rank).
+        TypeError: ``data`` is not JSON (nothing is written; names the bad value).
+        CheckpointError: the write failed, on any rank, or a peer died.
 
     Example:
         >>> import tempfile, torch, fasttorch
