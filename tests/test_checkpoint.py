@@ -268,6 +268,8 @@ def test_async_save_returns_before_the_write_and_keeps_the_staged_values(tmp_pat
     assert not handle.done()
     assert checkpoint.latest(tmp_path) is None  # not visible before it is complete
     state, _ = w.run(step, state, 2, 3)  # steps run (in place) while the save waits
+    assert checkpoint.prune(tmp_path, keep_last=1) == []  # a save in flight is no leftover
+    assert [p.name[:5] for p in tmp_path.iterdir()] == [".tmp."]
     gate.set()
     path = handle.wait(timeout=60)
     assert handle.done() and checkpoint.latest(tmp_path) == path
@@ -552,3 +554,15 @@ def test_a_failed_inplace_load_leaves_the_template_as_it_was(tmp_path, monkeypat
     monkeypatch.setattr(DefaultLoadPlanner, "commit_tensor", commit)
     loaded, _ = checkpoint.load(path, template, inplace=True)
     assert_same(w.leaves(state), w.leaves(loaded))
+
+
+def test_a_directory_that_is_not_a_checkpoint_is_never_replaced_or_pruned(tmp_path):
+    _, state = w.build("crash")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="notes': it exists and is not a fasttorch"):
+        checkpoint.save(tmp_path, state, name="notes")
+    checkpoint.save(tmp_path, state, name="a")
+    checkpoint.save(tmp_path, state, name="b", keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "notes"]
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
