@@ -899,7 +899,7 @@ def wait_pending() -> None:
 
 
 # --------------------------------------------------------------------------- safe reading
-# torch (2.10 to at least 2.15) reads DCP's ".metadata" with a plain pickle.load, and
+# torch (2.13, and upstream: pytorch/pytorch#189308) reads DCP's ".metadata" with a plain pickle.load, and
 # DefaultLoadPlanner.load_bytes unpickles any non-tensor entry with
 # torch.load(weights_only=False). Tensors are read with weights_only=True. So fasttorch
 # reads the metadata itself, with an unpickler that can only rebuild DCP's metadata
