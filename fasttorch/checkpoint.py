@@ -899,8 +899,8 @@ def wait_pending() -> None:
 
 
 # --------------------------------------------------------------------------- safe reading
-# torch (2.13, and upstream: pytorch/pytorch#189308) reads DCP's ".metadata" with a plain pickle.load, and
-# DefaultLoadPlanner.load_bytes unpickles any non-tensor entry with
+# torch 2.13 (and upstream, pytorch/pytorch#189308) reads DCP's ".metadata" with a
+# plain pickle.load, and DefaultLoadPlanner.load_bytes unpickles any non-tensor entry with
 # torch.load(weights_only=False). Tensors are read with weights_only=True. So fasttorch
 # reads the metadata itself, with an unpickler that can only rebuild DCP's metadata
 # records, and refuses every non-tensor entry.
