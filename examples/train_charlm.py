@@ -594,7 +594,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         path = checkpoint.latest(args.ckpt_dir)
         if path is not None:
             state, data = checkpoint.load(path, state, inplace=True)
-            train_batches.gen.set_state(data["batches"])
+            train_batches.gen.set_state(torch.tensor(data["batches"], dtype=torch.uint8))
             history = data["history"]
             start = resumed_from = int(state.step)
             if start != data["step"]:
@@ -683,7 +683,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             # Collective under torchrun (every rank calls it); the state is copied to CPU
             # memory first, then written in a background thread while training goes on.
             t0 = time.perf_counter()
-            position = {"batches": train_batches.gen.get_state(), "step": done}
+            # data= is JSON: the generator's state as a list of its bytes.
+            position = {"batches": train_batches.gen.get_state().tolist(), "step": done}
             pending = checkpoint.async_save(
                 args.ckpt_dir,
                 state,

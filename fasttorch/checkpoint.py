@@ -13,8 +13,12 @@ Keys are clean paths into the state: ``params/inp.weight``,
 ``rank{r}/...``: the RNG, an open accumulation window and the user's ``data``; DCP
 would otherwise keep one rank's value for a shared key, silently.
 
-Loading a checkpoint unpickles the ``data`` objects in it: load only checkpoints you
-trust, as with ``torch.load(weights_only=False)``.
+Loading never runs code from the checkpoint directory: the user's ``data`` is JSON,
+DCP's pickled ``.metadata`` is read by an unpickler that admits only DCP's own
+metadata classes, tensors are read with ``torch.load(weights_only=True)``, and a
+pickled object anywhere else is refused. ``trust_pickled=True`` opts out, for a
+trusted checkpoint of format 1 (whose ``data`` was pickled). See
+docs/checkpointing.md for the trust model and the crash-safety rules.
 """
 
 from __future__ import annotations
@@ -22,9 +26,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib
+import io
 import json
+import math
 import os
-import shutil
+import pickle
 import threading
 import time
 import uuid
@@ -36,8 +43,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
+from torch.distributed.checkpoint import metadata as _dcp_md
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 
@@ -58,10 +68,14 @@ __all__ = [
     "verify",
 ]
 
-FORMAT = 1
+# Format 2 stores ``data`` as JSON; format 1 pickled it (read only with trust_pickled).
+FORMAT = 2
+_READABLE = (1, 2)
 MANIFEST = "fasttorch.json"
-_TMP = ".tmp."
-_OLD = ".old."
+# Hidden directories a save or prune leaves while it works (see docs/checkpointing.md):
+_TMP = ".tmp."  # a save being written; published by one rename
+_OLD = ".old."  # the previous copy of a name being replaced; a valid fallback
+_DEL = ".del."  # committed to deletion by one rename; removed file by file
 # Entries whose values legitimately differ between ranks: saved under "rank{r}/".
 PER_RANK = ("rng", f"substates/{ACCUM_KEY}")
 _DATA = "data"
@@ -88,18 +102,66 @@ def _quiet() -> Iterator[None]:
 
 
 class _Box:
-    """Keeps the user's ``data`` whole: DCP would flatten a dict into one key per item."""
+    """The pickled wrapper of ``data`` in format-1 checkpoints (read with trust_pickled)."""
 
     def __init__(self, value: Any) -> None:
         self.value = value
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupted, or could not be written or read."""
+    """A checkpoint is missing, incomplete, corrupted, unsafe, or could not be written or read."""
 
 
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint does not fit the template state it is loaded into."""
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _check_json(value: Any, where: str) -> None:
+    """Raise unless ``value`` comes back from JSON exactly as it is (type included)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise TypeError(
+                f"checkpoint data must be JSON; {where} is {value!r}, which JSON cannot "
+                "hold. Store it as a string or None"
+            )
+        return
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_json(v, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise TypeError(
+                    f"checkpoint data must be JSON; {where} has the key {k!r} "
+                    f"({type(k).__name__}), and JSON keys are strings. Use str keys"
+                )
+            _check_json(v, f"{where}[{k!r}]")
+        return
+    hint = "use a list" if isinstance(value, tuple) else "convert it to those types first"
+    raise TypeError(
+        f"checkpoint data must be JSON (dict with str keys, list, str, int, float, bool, "
+        f"None), so that loading it can never run code; {where} is a "
+        f"{type(value).__name__}: {hint}"
+    )
+
+
+def _encode_data(data: Any) -> torch.Tensor:
+    _check_json(data, "data")
+    blob = json.dumps(data, allow_nan=False).encode()
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+
+def _decode_data(blob: torch.Tensor, where: str) -> Any:
+    try:
+        return json.loads(bytes(blob.numpy()).decode())
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"checkpoint {where}: its data is not valid JSON: {e}") from e
 
 
 # --------------------------------------------------------------------------- keys
@@ -242,7 +304,7 @@ def _async_group() -> Any:
     return _async_groups[key]
 
 
-def _agree(problem: CheckpointError | None, api: str) -> None:
+def _agree(problem: Exception | None, api: str) -> None:
     """Raise on every rank if any rank found a problem, before a collective would hang."""
     if not _distributed():
         if problem is not None:
@@ -266,7 +328,28 @@ def _broadcast(value: Any, pg: Any) -> Any:
     return box[0]
 
 
+def _dcp_error(e: BaseException, what: str) -> CheckpointError:
+    return CheckpointError(f"{what} failed in torch.distributed.checkpoint: {e!r}")
+
+
+@contextlib.contextmanager
+def _as_checkpoint_error(what: str) -> Iterator[None]:
+    """Report a failed write, read or collective as the documented CheckpointError: a
+    dead peer surfaces from gloo as a RuntimeError, DCP's own errors as a BaseException."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except CheckpointException as e:
+        raise _dcp_error(e, what) from e
+    except (RuntimeError, OSError, EOFError) as e:
+        raise CheckpointError(f"{what} failed: {type(e).__name__}: {e}") from e
+
+
 # --------------------------------------------------------------------------- files
+# Every change to the directory is one of: os.rename (publish, set aside, commit to
+# deletion), os.unlink / os.rmdir (inside a ".del." directory only), os.fsync. The
+# kill-injection tests stop a save or a prune before each of these calls in turn.
 
 
 def _fsync_dir(path: Path) -> None:
@@ -280,6 +363,29 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _rmtree(path: Path) -> None:
+    """Delete ``path`` file by file (a kill leaves a ".del." directory, removed later)."""
+    for root, dirs, files in os.walk(path, topdown=False):
+        for f in files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(root, f))
+        for d in dirs:
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(os.path.join(root, d))
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(path)
+
+
+def _discard(path: Path) -> None:
+    """Commit ``path`` to deletion with one rename, then delete it."""
+    doomed = path.with_name(f"{_DEL}{path.name}.{uuid.uuid4().hex[:12]}")
+    try:
+        os.rename(path, doomed)
+    except FileNotFoundError:
+        return
+    _rmtree(doomed)
 
 
 def _sha256(path: Path) -> str:
@@ -305,12 +411,21 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         )
     try:
         manifest: dict[str, Any] = json.loads(mf.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointError(f"checkpoint {str(path)!r}: unreadable {MANIFEST}: {e}") from e
-    if manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") not in _READABLE:
+        got = manifest.get("format") if isinstance(manifest, dict) else manifest
         raise CheckpointError(
-            f"checkpoint {str(path)!r} has format {manifest.get('format')!r}; this "
-            f"version of fasttorch reads format {FORMAT}"
+            f"checkpoint {str(path)!r} has format {got!r}; this version of fasttorch "
+            f"reads formats {list(_READABLE)}"
+        )
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(n, str) and n and n == Path(n).name and n not in (".", "..") for n in files
+    ):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: {MANIFEST} must list plain file names of the "
+            "checkpoint directory"
         )
     return manifest
 
@@ -319,7 +434,9 @@ def verify(path: str | os.PathLike[str], *, hashes: bool = True) -> dict[str, An
     """Check that the checkpoint at ``path`` is complete and intact; return its manifest.
 
     Every file listed in the manifest must exist with its recorded size and (with
-    ``hashes``) SHA-256. :func:`load` calls this first.
+    ``hashes``) SHA-256. :func:`load` calls this first. The manifest lives in the same
+    directory, so this detects damage (a truncated copy, a flipped bit), not a
+    deliberate change: see the trust model in docs/checkpointing.md.
 
     Raises:
         CheckpointError: naming the missing, truncated or corrupted file.
@@ -351,14 +468,22 @@ def verify(path: str | os.PathLike[str], *, hashes: bool = True) -> dict[str, An
     return manifest
 
 
+def _old_target(p: Path) -> Path:
+    """``dir/.old.<name>.<id>`` -> ``dir/<name>``: the name it was the previous copy of."""
+    return p.with_name(p.name[len(_OLD) :].rpartition(".")[0])
+
+
 def _checkpoints(directory: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Every directory with a readable manifest: published ones and ``.old.`` copies."""
     if not directory.is_dir():
         return
     for p in directory.iterdir():
-        if p.name.startswith((_TMP, _OLD)) or not p.is_dir():
+        if p.name.startswith((_TMP, _DEL)) or not p.is_dir():
+            continue
+        if p.name.startswith(".") and not p.name.startswith(_OLD):
             continue
         try:
-            manifest = verify(p, hashes=False)
+            manifest = _read_manifest(p)
         except CheckpointError:
             continue
         yield p, manifest
@@ -366,48 +491,116 @@ def _checkpoints(directory: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
 
 def _order(item: tuple[Path, dict[str, Any]]) -> tuple[int, int, float]:
     _, m = item
-    return (m["step"], m["micro"] or 0, m["saved_at"])
+    return (int(m["step"]), int(m["micro"] or 0), float(m["saved_at"]))
 
 
-def latest(directory: str | os.PathLike[str]) -> Path | None:
-    """The newest complete checkpoint in ``directory``, or ``None`` if there is none.
+def latest(directory: str | os.PathLike[str], *, verify_hashes: bool = True) -> Path | None:
+    """The newest intact checkpoint in ``directory``, or ``None`` if there is none.
 
     Newest means the highest ``(step, position in the accumulation window)``, then the
     latest save. Temporary directories of saves in progress or interrupted
-    (``kill -9``), and checkpoints with missing or truncated files, are skipped.
+    (``kill -9``) are skipped; so, with a warning, are checkpoints with a missing,
+    truncated or (``verify_hashes``, the default) corrupted file. If a save that
+    replaces a name was interrupted between its two renames, the previous copy is
+    returned under its hidden name ``.old.<name>.<id>``; the next :func:`prune` (or
+    ``save(..., keep_last=)``) renames it back.
 
     Example:
         >>> import tempfile, fasttorch
         >>> fasttorch.checkpoint.latest(tempfile.mkdtemp()) is None
         True
     """
-    found = sorted(_checkpoints(Path(directory)), key=_order)
-    return found[-1][0] if found else None
+    found = sorted(_checkpoints(Path(directory)), key=_order, reverse=True)
+    for p, _ in found:
+        try:
+            verify(p, hashes=verify_hashes)
+        except CheckpointError as e:
+            warnings.warn(f"checkpoint.latest skips {str(p)!r}: {e}", UserWarning, stacklevel=2)
+            continue
+        return p
+    return None
 
 
-_inflight_tmp: set[str] = set()
+# Temporary and ".old." directories that a save of this process is working on.
+_inflight: set[str] = set()
 
 
 def prune(directory: str | os.PathLike[str], keep_last: int) -> list[Path]:
-    """Delete all but the ``keep_last`` newest complete checkpoints in ``directory``.
+    """Keep the ``keep_last`` newest intact checkpoints in ``directory``; delete older ones.
 
-    Also removes leftovers of interrupted saves (temporary directories not being
-    written by this process). Returns the paths removed. Call it on one rank only
-    (:func:`save` does, on rank 0, with ``keep_last=``).
+    Each candidate is verified (sizes and SHA-256) from the newest down until
+    ``keep_last`` intact ones are found; those are kept, and every checkpoint older
+    than the oldest of them is deleted. A corrupted checkpoint newer than that is
+    left in place, with a warning, and does not count: a corrupted newest copy never
+    costs you the intact one before it. Also removes what interrupted saves and
+    prunes left: ``.tmp.`` directories not being written by this process, ``.del.``
+    directories, and ``.old.`` copies whose replacement is intact (an ``.old.`` copy
+    whose replacement is missing is renamed back). Every deletion starts with one
+    rename to ``.del.<name>.<id>``, so a kill never leaves a half-deleted checkpoint
+    under a visible name. Returns the paths removed. Call it on one process only
+    (:func:`save` does, on rank 0, with ``keep_last=``), never while another process
+    saves into the same directory.
+
+    Example:
+        >>> import tempfile, torch, fasttorch
+        >>> state = fasttorch.TrainState.create(torch.nn.Linear(2, 1), fasttorch.optim.sgd(0.1))
+        >>> root = tempfile.mkdtemp()
+        >>> a = fasttorch.checkpoint.save(root, state, name="a")
+        >>> b = fasttorch.checkpoint.save(root, state, name="b")
+        >>> [p.name for p in fasttorch.checkpoint.prune(root, keep_last=1)]
+        ['a']
     """
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"prune: keep_last must be an integer >= 1, got {keep_last!r}")
     d = Path(directory)
-    found = sorted(_checkpoints(d), key=_order)
-    removed = [p for p, _ in found[:-keep_last]]
-    if d.is_dir():
-        removed += [
-            p
-            for p in d.iterdir()
-            if p.name.startswith((_TMP, _OLD)) and str(p) not in _inflight_tmp
-        ]
-    for p in removed:
-        shutil.rmtree(p, ignore_errors=True)
+    if not d.is_dir():
+        return []
+    busy = set(_inflight)
+    removed: list[Path] = []
+    for p in sorted(d.iterdir()):  # committed deletions and stale temporaries first
+        if str(p) not in busy and p.name.startswith((_DEL, _TMP)) and p.is_dir():
+            (_rmtree if p.name.startswith(_DEL) else _discard)(p)
+            removed.append(p)
+    found = [(p, m) for p, m in _checkpoints(d) if str(p) not in busy]
+    intact: dict[Path, bool] = {}
+
+    def ok(p: Path) -> bool:
+        if p not in intact:
+            try:
+                verify(p)
+                intact[p] = True
+            except CheckpointError as e:
+                warnings.warn(
+                    f"checkpoint.prune keeps {str(p)!r}, which is corrupted: {e}",
+                    UserWarning,
+                    stacklevel=3,
+                )
+                intact[p] = False
+        return intact[p]
+
+    names = {p for p, _ in found}
+    superseded = [
+        p
+        for p, _ in found
+        if p.name.startswith(_OLD) and _old_target(p) in names and ok(_old_target(p))
+    ]
+    kept: list[Path] = []
+    doomed: list[Path] = []
+    for p, _ in sorted(found, key=_order, reverse=True):
+        if p in superseded:
+            continue
+        if len(kept) < keep_last:
+            if ok(p):
+                kept.append(p)
+        else:
+            doomed.append(p)
+    for p in superseded + doomed:
+        _discard(p)
+        removed.append(p)
+    for p in kept:  # an interrupted replacement: the previous copy takes its name back
+        if p.name.startswith(_OLD) and not _old_target(p).exists():
+            os.rename(p, _old_target(p))
+            _fsync_dir(d)
     return removed
 
 
@@ -448,13 +641,23 @@ def _plan(
         raise ValueError(
             f"{api}: name must be a plain directory name not starting with '.', got {name!r}"
         )
-    token = _broadcast(uuid.uuid4().hex[:12] if rank == 0 else None, pg)
+    try:
+        blob: torch.Tensor | None = _encode_data(data)
+        problem: Exception | None = None
+    except TypeError as e:
+        blob, problem = None, e
+    _agree(problem, api)
     d = Path(directory)
+    token = uuid.uuid4().hex[:12] if rank == 0 else None
+    if rank == 0:  # from now on, no prune of this process takes it for a leftover
+        _inflight.add(str(d / f"{_TMP}{name}.{token}"))
+    with _as_checkpoint_error(f"{api} of {str(d / name)!r}"):
+        token = _broadcast(token, pg)
     tmp = d / f"{_TMP}{name}.{token}"
     tensors: dict[str, Any] = {}
     for key, leaf in zip(keys, leaves):
         tensors[f"rank{rank}/{key}" if _is_per_rank(key) else key] = leaf.detach()
-    tensors[f"rank{rank}/{_DATA}"] = _Box(data)
+    tensors[f"rank{rank}/{_DATA}"] = blob
     statics: dict[str, Any] = {}
     _statics(state, "", statics)
     manifest = {
@@ -471,60 +674,76 @@ def _plan(
     return _Plan(d / name, tmp, tensors, manifest, keep_last)
 
 
-def _dcp_error(e: BaseException, what: str) -> CheckpointError:
-    return CheckpointError(f"{what} failed in torch.distributed.checkpoint: {e!r}")
-
-
 def _write(plan: _Plan, pg: Any) -> Path:
-    """Write the DCP files, then (rank 0) the manifest and the rename. All ranks."""
+    """Write the DCP files, then (rank 0) the manifest and the renames. All ranks."""
     rank, _ = _rank_world()
-    _inflight_tmp.add(str(plan.tmp))
-    error: str | None = None
+    what = f"saving {str(plan.final)!r}"
+    _inflight.add(str(plan.tmp))
     try:
-        try:
-            with _quiet():
-                _dcp_save(
-                    plan.tensors,
-                    storage_writer=FileSystemWriter(plan.tmp, sync_files=True),
-                    process_group=pg,
-                    no_dist=not _distributed(),
-                )
-        except CheckpointException as e:
-            raise _dcp_error(e, f"saving {str(plan.final)!r}") from e
+        with _as_checkpoint_error(what), _quiet():
+            _dcp_save(  # fails on every rank together, so no rank waits below
+                plan.tensors,
+                storage_writer=FileSystemWriter(plan.tmp, sync_files=True),
+                process_group=pg,
+                no_dist=not _distributed(),
+            )
+        error: str | None = None
         if rank == 0:
             try:
                 _publish(plan)
-            except Exception as e:
+            except BaseException as e:  # the other ranks must hear of it, even of a kill
                 error = f"{type(e).__name__}: {e}"
+                if isinstance(e, Exception):
+                    _discard(plan.tmp)
                 raise
+            finally:
+                with _as_checkpoint_error(what):
+                    _broadcast(error, pg)
+        else:
+            with _as_checkpoint_error(what):
+                error = _broadcast(None, pg)
+            if error is not None:
+                raise CheckpointError(f"rank 0 could not complete {str(plan.final)!r}: {error}")
     finally:
-        _inflight_tmp.discard(str(plan.tmp))
-        error = _broadcast(error, pg)
-    if error is not None:
-        raise CheckpointError(f"rank 0 could not complete {str(plan.final)!r}: {error}")
+        _inflight.discard(str(plan.tmp))
     return plan.final
 
 
 def _publish(plan: _Plan) -> None:
+    """Manifest, then the rename that makes the checkpoint visible (rank 0).
+
+    Replacing a name keeps the previous copy until the new one is visible: ``final``
+    is renamed to ``.old.<name>.<id>`` (which :func:`latest` accepts), the new one to
+    ``final``, and only then is the old copy discarded.
+    """
     files = {}
     for f in sorted(plan.tmp.iterdir()):
         if f.is_file():
             files[f.name] = {"size": f.stat().st_size, "sha256": _sha256(f)}
     manifest = {**plan.manifest, "saved_at": time.time(), "files": files}
-    mf = plan.tmp / MANIFEST
-    with open(mf, "w") as fh:
+    with open(plan.tmp / MANIFEST, "w") as fh:
         json.dump(manifest, fh, indent=1)
         fh.flush()
         os.fsync(fh.fileno())
     _fsync_dir(plan.tmp)
     old = None
     if plan.final.exists():
+        if not (plan.final / MANIFEST).is_file():
+            raise CheckpointError(
+                f"cannot replace {str(plan.final)!r}: it exists and is not a fasttorch "
+                f"checkpoint (it has no {MANIFEST}). Move it away or save under another name"
+            )
         old = plan.final.with_name(f"{_OLD}{plan.final.name}.{uuid.uuid4().hex[:12]}")
+        _inflight.add(str(old))
         os.rename(plan.final, old)
-    os.rename(plan.tmp, plan.final)
-    _fsync_dir(plan.final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    try:
+        os.rename(plan.tmp, plan.final)
+        _fsync_dir(plan.final.parent)
+        if old is not None:
+            _discard(old)
+    finally:
+        if old is not None:
+            _inflight.discard(str(old))
     if plan.keep_last is not None:
         prune(plan.final.parent, plan.keep_last)
 
@@ -541,12 +760,13 @@ def save(
 
     Everything in the state is saved: parameters, buffers, optimizer state and
     hyperparameters, step, loss scale and its counters, accumulation window (its
-    position included), EMA copies, the RNG of each rank. ``data`` is any picklable
-    object (an epoch and batch index, a sampler's state), saved per rank. The
-    checkpoint is written as ``directory/.tmp.<name>.<id>`` and renamed to
-    ``directory/<name>`` only once complete, so an interrupted save (even ``kill -9``)
-    leaves earlier checkpoints untouched and is never returned by :func:`latest`.
-    Call it between steps, on every rank of a distributed job (a collective).
+    position included), EMA copies, the RNG of each rank. ``data`` is JSON (dicts with
+    ``str`` keys, lists, ``str``, ``int``, finite ``float``, ``bool``, ``None``), saved
+    per rank and returned by :func:`load` equal to what you passed. The checkpoint is
+    written as ``directory/.tmp.<name>.<id>`` and renamed to ``directory/<name>`` only
+    once complete, so an interrupted save (even ``kill -9``) leaves earlier checkpoints
+    untouched and is never returned by :func:`latest`. Call it between steps, on every
+    rank of a distributed job (a collective).
 
     Args:
         directory: where checkpoints live (created if needed; shared by all ranks).
@@ -554,14 +774,17 @@ def save(
         data: your position in the data, returned by :func:`load` on the same rank.
         name: the checkpoint's directory name; default ``step_<step>`` (with
             ``_micro<k>`` inside an accumulation window). An existing checkpoint of
-            that name is replaced atomically.
-        keep_last: if set, delete all but this many newest checkpoints afterwards.
+            that name is replaced; at every moment one of the two copies is complete
+            and found by :func:`latest` (the old one as ``.old.<name>.<id>``, see
+            there), and the old one is deleted only once the new one is in place.
+        keep_last: if set, then :func:`prune` to this many afterwards (rank 0).
 
     Returns:
         The path of the new checkpoint.
 
     Raises:
-        CheckpointError: the write failed (on any rank).
+        TypeError: ``data`` is not JSON (nothing is written; names the bad value).
+        CheckpointError: the write failed, on any rank, or a peer died.
 
     Example:
         >>> import tempfile, torch, fasttorch
@@ -676,6 +899,144 @@ def wait_pending() -> None:
             h._thread.join()
 
 
+# --------------------------------------------------------------------------- safe reading
+# torch 2.13 (and upstream, pytorch/pytorch#189308) reads DCP's ".metadata" with a
+# plain pickle.load, and DefaultLoadPlanner.load_bytes unpickles any non-tensor entry with
+# torch.load(weights_only=False). Tensors are read with weights_only=True. So fasttorch
+# reads the metadata itself, with an unpickler that can only rebuild DCP's metadata
+# records, and refuses every non-tensor entry.
+
+_MD = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {
+    (_MD, n)
+    for n in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # looks a layout up by name
+    ("collections", "OrderedDict"),
+    *((m, c) for m in ("pathlib", "pathlib._local") for c in ("PosixPath", "WindowsPath")),
+    *((m, c) for m in ("pathlib", "pathlib._local") for c in ("PurePosixPath", "PureWindowsPath")),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Rebuilds DCP metadata only: every other global a pickle names is refused, so a
+    crafted file cannot call a function (a pickle runs code only through globals)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return getattr(importlib.import_module(module), name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        raise pickle.UnpicklingError(f"it names {module}.{name}")
+
+
+def _unsafe(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {str(path)!r} refused: {what}. fasttorch never runs code from a "
+        "checkpoint, and a pickle that names anything else could. If you wrote this "
+        "checkpoint yourself and trust every byte of it, load it with "
+        "trust_pickled=True"
+    )
+
+
+def _check_metadata(md: Any, path: Path, files: set[str]) -> None:
+    """The metadata must be DCP's records pointing only into the manifest's files."""
+    if not isinstance(md, _dcp_md.Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise _unsafe(path, ".metadata does not hold DCP metadata")
+    for key, entry in md.state_dict_metadata.items():
+        if not isinstance(
+            entry, (_dcp_md.TensorStorageMetadata, _dcp_md.BytesStorageMetadata)
+        ) or not isinstance(key, str):
+            raise _unsafe(path, f".metadata entry {key!r} is a {type(entry).__name__}")
+    if not isinstance(md.storage_data, dict):
+        raise _unsafe(path, ".metadata has no storage table")
+    for info in md.storage_data.values():
+        name = getattr(info, "relative_path", None)
+        if name not in files or getattr(info, "transform_descriptors", None):
+            raise _unsafe(
+                path, f".metadata points at {name!r}, which is not a plain file of the manifest"
+            )
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader with :class:`_MetadataUnpickler` for ``.metadata``."""
+
+    def __init__(self, path: Path, files: set[str]) -> None:
+        super().__init__(path)
+        self._where = path
+        self._files = files
+        self._metadata: Any = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> _dcp_md.Metadata:
+        if self._metadata is None:
+            try:
+                with open(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                    md = _MetadataUnpickler(f).load()
+            except pickle.UnpicklingError as e:
+                raise _unsafe(self._where, f".metadata {e}") from e
+            except Exception as e:
+                raise CheckpointError(
+                    f"checkpoint {str(self._where)!r}: unreadable DCP .metadata: {e!r}"
+                ) from e
+            _check_metadata(md, self._where, self._files)
+            self._metadata = md
+        md = self._metadata
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = _dcp_md.StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md  # type: ignore[no-any-return]
+
+
+class _TensorsOnlyPlanner(DefaultLoadPlanner):
+    """Loads tensors (read with ``weights_only=True``); refuses pickled entries."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        raise CheckpointError(
+            f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object; "
+            "fasttorch does not unpickle checkpoint entries (trust_pickled=True does)"
+        )
+
+
+def _tensor_entries(reader: _SafeReader, keys: list[str], path: Path) -> dict[str, Any]:
+    """The metadata of ``keys``: each must be a tensor entry (never a pickled one)."""
+    md = reader.read_metadata()
+    out = {}
+    for key in keys:
+        entry = md.state_dict_metadata.get(key)
+        if entry is None:
+            raise CheckpointError(
+                f"checkpoint {str(path)!r}: its .metadata has no entry {key!r}, which "
+                "its manifest lists"
+            )
+        if not isinstance(entry, _dcp_md.TensorStorageMetadata):
+            raise _unsafe(path, f"its entry {key!r} is a pickled object, not a tensor")
+        out[key] = entry
+    return out
+
+
+def _trust_warning(path: Path) -> None:
+    warnings.warn(
+        f"checkpoint {str(path)!r} is read with trust_pickled=True: its pickled parts "
+        "are unpickled without restriction and can run any code. Do this only for a "
+        "checkpoint you wrote yourself",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 # --------------------------------------------------------------------------- load
 
 
@@ -718,6 +1079,7 @@ def load(
     *,
     inplace: bool = False,
     verify_hashes: bool = True,
+    trust_pickled: bool = False,
 ) -> tuple[TrainState, Any]:
     """Load the checkpoint at ``path`` into a state shaped like ``template``.
 
@@ -728,20 +1090,28 @@ def load(
     one for one, in shape and dtype. Resharding works: a checkpoint saved by ``W``
     ranks loads on any number of ranks; a rank that did not exist at save time keeps
     the template's RNG (with a warning), and a window left open mid-accumulation
-    cannot be split across a new number of ranks.
+    cannot be split across a new number of ranks. Loading never runs code from the
+    checkpoint (see the module's notes), unless ``trust_pickled``.
 
     Args:
         path: a checkpoint directory (see :func:`latest`).
         template: the state to fill; left untouched unless ``inplace``.
-        inplace: load into the template's own tensors (which the module shares, so the
-            module follows) and mark the template donated, as a step does.
+        inplace: copy the loaded values into the template's own tensors (which the
+            module shares, so the module follows) and mark the template donated, as
+            a step does. The values are read into CPU memory first and copied only
+            once all of them were read: a failed load leaves the template as it was.
         verify_hashes: also check each file's SHA-256 (sizes are always checked).
+        trust_pickled: read DCP's ``.metadata`` with plain ``pickle`` and, in a
+            format-1 checkpoint (fasttorch before JSON ``data``), unpickle ``data``.
+            This can run code from the checkpoint; it warns. Only for checkpoints
+            you wrote yourself.
 
     Returns:
         ``(state, data)``: the restored state and this rank's saved ``data``.
 
     Raises:
-        CheckpointError: missing, incomplete, truncated or corrupted checkpoint.
+        CheckpointError: missing, incomplete, truncated, corrupted or unsafe
+            checkpoint, or a failed read (on any rank).
         CheckpointMismatchError: it does not fit ``template`` (names the first entry
             that differs, with both shapes).
 
@@ -758,6 +1128,10 @@ def load(
     p = Path(path)
     rank, world = _rank_world()
     keys, leaves, spec = _flatten(template)
+    data_key = f"rank{rank}/{_DATA}"
+    names: dict[str, str] = {}  # template key -> checkpoint key, for the entries read
+    data_shape: list[int] | None = None
+    reader: FileSystemReader | None = None
     problem: CheckpointError | None = None
     try:
         manifest = verify(p, hashes=verify_hashes)
@@ -771,57 +1145,95 @@ def load(
                 f"{rank} of {world} has no window to resume. Resume on {saved_world} "
                 "ranks, or from a checkpoint saved at a window boundary"
             )
+        for key in keys:
+            if not _is_per_rank(key):
+                names[key] = key
+            elif not fresh_rank:
+                names[key] = f"rank{rank}/{key}"
+        if manifest["format"] == 1 and not trust_pickled:
+            raise _unsafe(p, "it is a format-1 checkpoint, whose data= is pickled")
+        if trust_pickled:
+            _trust_warning(p)
+            reader = FileSystemReader(p)
+            if not fresh_rank and manifest["format"] != 1:
+                md = reader.read_metadata()
+                data_shape = list(getattr(md.state_dict_metadata[data_key], "size", ()))
+        else:
+            safe = _SafeReader(p, set(manifest["files"]))
+            wanted = [*names.values(), *([] if fresh_rank else [data_key])]
+            entries = _tensor_entries(safe, wanted, p)
+            if not fresh_rank:
+                data_shape = list(entries[data_key].size)
+            reader = safe
     except CheckpointError as e:
         problem = e
-    _agree(problem, "checkpoint.load")
-    targets = leaves if inplace else [torch.empty_like(t) for t in leaves]
-    request: dict[str, Any] = {}
-    kept: list[str] = []
-    for key, t in zip(keys, targets):
-        if _is_per_rank(key):
-            if fresh_rank:
-                kept.append(key)
-                continue
-            request[f"rank{rank}/{key}"] = t
-        else:
-            request[key] = t
-    if fresh_rank:
+    except (OSError, RuntimeError, ValueError, KeyError, EOFError) as e:
+        problem = CheckpointError(f"loading {str(p)!r} failed: {e!r}")
+    with _as_checkpoint_error(f"checkpoint.load of {str(p)!r}"):
+        _agree(problem, "checkpoint.load")
+    assert reader is not None
+    # Read into fresh tensors (on CPU for inplace): nothing the caller holds changes
+    # unless every value was read.
+    scratch = {
+        key: torch.empty_like(t, device="cpu") if inplace else torch.empty_like(t)
+        for key, t in zip(keys, leaves)
+        if key in names
+    }
+    request: dict[str, Any] = {names[k]: t for k, t in scratch.items()}
+    kept = [k for k in keys if k not in names]
+    if kept:
         warnings.warn(
             f"checkpoint {str(p)!r} was saved by {saved_world} ranks; rank {rank} keeps "
             f"the template's value for {kept} (its RNG seeds it)",
             UserWarning,
             stacklevel=2,
         )
-        for key, t, src in zip(keys, targets, leaves):
-            if key in kept and t is not src:
-                t.copy_(src)
+    elif data_shape is not None:
+        request[data_key] = torch.empty(data_shape, dtype=torch.uint8)
     else:
-        request[f"rank{rank}/{_DATA}"] = None
+        request[data_key] = None  # format 1, trusted: a pickled _Box
     try:
         with _quiet():
             _dcp_load(
                 request,
-                storage_reader=FileSystemReader(p),
+                storage_reader=reader,
+                planner=None if trust_pickled else _TensorsOnlyPlanner(),
                 no_dist=not _distributed(),
             )
     except CheckpointException as e:
         raise _dcp_error(e, f"loading {str(p)!r}") from e
+    except CheckpointError:
+        raise
     except (OSError, RuntimeError, ValueError, EOFError) as e:
         raise CheckpointError(f"loading {str(p)!r} failed: {e!r}") from e
+    if inplace:
+        for key, t in zip(keys, leaves):
+            if key in scratch:
+                t.detach().copy_(scratch[key])
+        targets = leaves
+    else:
+        targets = [scratch[k] if k in scratch else t.detach().clone() for k, t in zip(keys, leaves)]
     state: TrainState = pytree.tree_unflatten(targets, spec)
     state = _restore_statics(state, "", manifest["statics"])
     if inplace:
         mark_donated(template, "checkpoint.load(..., inplace=True)")
-    box = request.get(f"rank{rank}/{_DATA}")
-    return state, box.value if isinstance(box, _Box) else None
+    if kept:
+        return state, None
+    value = request[data_key]
+    if isinstance(value, torch.Tensor):
+        return state, _decode_data(value, repr(str(p)))
+    return state, value.value if isinstance(value, _Box) else None
 
 
-def model_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+def model_state_dict(
+    path: str | os.PathLike[str], *, trust_pickled: bool = False
+) -> dict[str, torch.Tensor]:
     """The parameters and buffers of a checkpoint, keyed like ``model.state_dict()``.
 
     No template is needed: use it to export trained weights to a plain model,
     ``model.load_state_dict(model_state_dict(path))``. Keys carry no ``_orig_mod.`` or
-    ``module.`` prefix, so the model need not be wrapped as it was in training.
+    ``module.`` prefix, so the model need not be wrapped as it was in training. Like
+    :func:`load`, it never runs code from the checkpoint unless ``trust_pickled``.
 
     Example:
         >>> import tempfile, torch, fasttorch
@@ -839,9 +1251,23 @@ def model_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         if group in ("params", "buffers"):
             dtype = getattr(torch, info["dtype"])
             request[key] = torch.empty(info["shape"], dtype=dtype)
+    if trust_pickled:
+        _trust_warning(p)
+        reader: FileSystemReader = FileSystemReader(p)
+    else:
+        safe = _SafeReader(p, set(manifest["files"]))
+        _tensor_entries(safe, list(request), p)
+        reader = safe
     try:
         with _quiet():
-            _dcp_load(request, storage_reader=FileSystemReader(p), no_dist=True)
+            _dcp_load(
+                request,
+                storage_reader=reader,
+                planner=None if trust_pickled else _TensorsOnlyPlanner(),
+                no_dist=True,
+            )
     except CheckpointException as e:
         raise _dcp_error(e, f"loading {str(p)!r}") from e
+    except (OSError, RuntimeError, ValueError, EOFError) as e:
+        raise CheckpointError(f"loading {str(p)!r} failed: {e!r}") from e
     return {k.partition("/")[2]: v for k, v in request.items()}

@@ -9,12 +9,15 @@ resume a checkpoint written by another, and writes what the test compares with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +95,42 @@ def run(step: Any, state: Any, start: int, n: int) -> tuple[Any, list[dict[str, 
         state, metrics = step(state, batch(i))
         seen.append(pytree.tree_map(lambda t: t.detach().clone(), metrics))
     return state, seen
+
+
+# --------------------------------------------------------------------------- kill injection
+
+
+class SimulatedKill(BaseException):
+    """Stands for a kill: nothing the library catches as an error catches it."""
+
+
+FS_CALLS = ("rename", "replace", "unlink", "remove", "rmdir", "fsync")
+
+
+@contextlib.contextmanager
+def kill_at(k: int) -> Iterator[list[tuple[str, str]]]:
+    """Raise SimulatedKill instead of the k-th filesystem change (rename, unlink, rmdir,
+    fsync: every step of a save or prune, DCP's own included) made inside the block.
+    Yields the list of calls made, the k-th last."""
+    calls: list[tuple[str, str]] = []
+    real = {n: getattr(os, n) for n in FS_CALLS}
+
+    def wrap(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append((name, str(args[0]) if args else ""))
+            if len(calls) == k:
+                raise SimulatedKill(f"killed before os.{name}{args}")
+            return real[name](*args, **kwargs)
+
+        return call
+
+    try:
+        for n in FS_CALLS:
+            setattr(os, n, wrap(n))
+        yield calls
+    finally:
+        for n, f in real.items():
+            setattr(os, n, f)
 
 
 def rank() -> int:
@@ -235,6 +274,115 @@ def kill(a: dict[str, Any]) -> None:
     print("not killed", flush=True)
 
 
+def dist_kill(a: dict[str, Any]) -> None:
+    """2 ranks: rank 0 is stopped before each filesystem change of publishing a same-name
+    replacement, k = 1, 2, ...; after each, both ranks find, load and check the
+    checkpoint. Then a failed write on rank 1, then rank 1 dies in the middle of a save."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    dist.init_process_group("gloo")
+    r = rank()
+    root = Path(a["dir"])
+    saved = []
+    states = []
+    for i in range(2):  # per-rank RNG, shared parameters
+        step, state = build("ranks", seed=100 + r)
+        state, _ = run(step, state, 0, i + 1)
+        states.append(state)
+        saved.append(leaves(state))
+    checkpoint.save(root / "base", states[0], name="ck", data={"v": 0, "rank": r})
+    errors: list[str] = []
+    publish = checkpoint._publish
+    k = 1
+    while True:
+        d = root / f"k{k:03d}"
+        if r == 0:
+            shutil.copytree(root / "base", d)
+        dist.barrier()
+        calls: list[Any] = []
+        outcome = "done"
+
+        def killed_publish(plan: Any, k: int = k, calls: list[Any] = calls) -> None:
+            with kill_at(k) as seen:
+                try:
+                    publish(plan)
+                finally:
+                    calls.extend(seen)
+
+        if r == 0:
+            checkpoint._publish = killed_publish  # type: ignore[assignment]
+        try:
+            checkpoint.save(d, states[1], name="ck", data={"v": 1, "rank": r})
+        except SimulatedKill:
+            outcome = "killed"
+        except checkpoint.CheckpointError as e:
+            outcome = "rank 0 failed" if "rank 0 could not complete" in str(e) else repr(e)
+        finally:
+            checkpoint._publish = publish  # type: ignore[assignment]
+        done = calls[:-1] if outcome == "killed" else calls  # the last one did not happen
+        published = any(n == "rename" and Path(p).name.startswith(".tmp.ck") for n, p in done)
+        box: list[Any] = [(outcome, published, len(calls))]
+        dist.broadcast_object_list(box, src=0)
+        outcome0, published, n_calls = box[0]
+        if r == 1 and outcome != ("rank 0 failed" if outcome0 == "killed" else "done"):
+            errors.append(f"k={k}: rank 1 got {outcome} while rank 0 was {outcome0}")
+        found = checkpoint.latest(d)
+        if found is None:
+            errors.append(f"k={k}: latest() found nothing")
+        else:
+            state, data = checkpoint.load(found, states[0])
+            want = 1 if published or outcome0 == "done" else 0
+            got = leaves(state)
+            if data != {"v": want, "rank": r} or any(
+                not torch.equal(got[x], saved[want][x]) for x in got
+            ):
+                errors.append(f"k={k}: {found.name} holds {data}, expected version {want}")
+        dist.barrier()
+        if r == 0:
+            checkpoint.prune(d, keep_last=1)
+            left = sorted(p.name for p in d.iterdir())
+            if left != ["ck"]:
+                errors.append(f"k={k}: prune left {left}")
+        dist.barrier()
+        if outcome0 == "done":
+            steps = n_calls
+            break
+        k += 1
+
+    # A write error on rank 1: every rank raises CheckpointError.
+    real_write = FileSystemWriter.write_data
+
+    def failing_write(self: Any, plan: Any, planner: Any) -> Any:
+        raise OSError("disk full (simulated)")
+
+    if r == 1:
+        FileSystemWriter.write_data = failing_write  # type: ignore[method-assign]
+    write_error = ""
+    try:
+        checkpoint.save(root / "fail", states[1], data={"v": 1, "rank": r})
+    except Exception as e:
+        write_error = f"{type(e).__name__}: {e}"
+    FileSystemWriter.write_data = real_write  # type: ignore[method-assign]
+    out = {"errors": errors, "steps": steps, "write_error": write_error, "peer_died": ""}
+    dist.barrier()
+
+    # Rank 1 dies in the middle of a save: rank 0 raises CheckpointError.
+    if r == 1:
+        torch.save(out, f"{a['out']}.rank{r}")
+
+        def die(self: Any, plan: Any, planner: Any) -> Any:
+            os._exit(0)
+
+        FileSystemWriter.write_data = die  # type: ignore[method-assign]
+    try:
+        checkpoint.save(root / "dead", states[1], data={"v": 1, "rank": r})
+    except Exception as e:
+        out["peer_died"] = f"{type(e).__name__}: {e}"
+    torch.save(out, f"{a['out']}.rank{r}")
+    os._exit(0)  # the group is broken: no collective shutdown
+
+
 if __name__ == "__main__":
     mode, args = sys.argv[1], json.loads(sys.argv[2])
     torch.set_num_threads(args.get("threads", 1))
@@ -244,4 +392,5 @@ if __name__ == "__main__":
         "dist_resume": dist_resume,
         "crash": crash,
         "kill": kill,
+        "dist_kill": dist_kill,
     }[mode](args)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -214,8 +216,7 @@ def test_truncated_or_corrupted_checkpoints_are_refused(tmp_path):
     del manifest["files"][".metadata"]
     (path / "fasttorch.json").write_text(json.dumps(manifest))
     (path / ".metadata").unlink()
-    # DCP's own error (a BaseException) comes out as a CheckpointError.
-    with pytest.raises(CheckpointError, match="torch.distributed.checkpoint"):
+    with pytest.raises(CheckpointError, match="unreadable DCP .metadata: FileNotFoundError"):
         checkpoint.load(path, state)
     (path / "fasttorch.json").unlink()
     with pytest.raises(CheckpointError, match="incomplete: it has no fasttorch.json"):
@@ -267,6 +268,8 @@ def test_async_save_returns_before_the_write_and_keeps_the_staged_values(tmp_pat
     assert not handle.done()
     assert checkpoint.latest(tmp_path) is None  # not visible before it is complete
     state, _ = w.run(step, state, 2, 3)  # steps run (in place) while the save waits
+    assert checkpoint.prune(tmp_path, keep_last=1) == []  # a save in flight is no leftover
+    assert [p.name[:5] for p in tmp_path.iterdir()] == [".tmp."]
     gate.set()
     path = handle.wait(timeout=60)
     assert handle.done() and checkpoint.latest(tmp_path) == path
@@ -346,3 +349,220 @@ def test_torchrun_restart_resumes_to_the_same_parameters(tmp_path):
     log = (tmp_path / "log").read_text().splitlines()
     assert log[0] == "start 0 from None" and log[1].startswith("start 6 from "), log
     assert_same(w.leaves(state), torch.load(tmp_path / "final.pt"))
+
+
+# --------------------------------------------------------------------------- untrusted files
+
+
+class Payload:
+    """Unpickling this runs code: it creates ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').close()",))
+
+
+def rehash(path: Path, **changes) -> None:
+    """What an attacker can do: the manifest lives beside the files it vouches for."""
+    manifest = json.loads((path / "fasttorch.json").read_text())
+    manifest["files"] = {
+        f.name: {"size": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+        for f in path.iterdir()
+        if f.name != "fasttorch.json"
+    }
+    manifest.update(changes)
+    (path / "fasttorch.json").write_text(json.dumps(manifest))
+
+
+def rewrite_dcp(path: Path, state, data_value) -> None:
+    """Rewrite ``path``'s DCP files with ``data_value`` as DCP stores any object: pickled."""
+    import torch.distributed.checkpoint as dcp
+
+    keys, leaves, _ = checkpoint._flatten(state)
+    entries = {(f"rank0/{k}" if checkpoint._is_per_rank(k) else k): t for k, t in zip(keys, leaves)}
+    entries["rank0/data"] = data_value
+    for f in path.iterdir():
+        if f.name != "fasttorch.json":
+            f.unlink()
+    dcp.save(entries, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+
+
+def test_loading_a_crafted_checkpoint_never_runs_its_code(tmp_path):
+    step, state = w.build("crash")
+    marker = tmp_path / "marker"
+    _, template = w.build("crash")
+
+    # 1. A payload inside DCP's pickled .metadata, the manifest re-hashed to match.
+    path = checkpoint.save(tmp_path / "meta", state, data={"next": 1})
+    with open(path / ".metadata", "rb") as f:
+        md = pickle.load(f)  # the file this test just wrote
+    md.planner_data = Payload(marker)
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    rehash(path)
+    checkpoint.verify(path)  # the manifest vouches for it: hashes prove nothing here
+    with open(path / ".metadata", "rb") as f:
+        pickle.load(f)  # proof that the payload is live: plain unpickling runs it
+    assert marker.exists()
+    marker.unlink()
+    with pytest.raises(CheckpointError, match=r"refused: \.metadata it names builtins\.exec"):
+        checkpoint.load(path, template)
+    with pytest.raises(CheckpointError, match=r"trust_pickled=True"):
+        checkpoint.model_state_dict(path)
+    assert not marker.exists()
+
+    # 2. A pickled payload as the data entry, in format 2 and in format 1.
+    path = checkpoint.save(tmp_path / "data", state, data={"next": 1})
+    rewrite_dcp(path, state, Payload(marker))
+    rehash(path)
+    with pytest.raises(CheckpointError, match="entry 'rank0/data' is a pickled object"):
+        checkpoint.load(path, template)
+    rehash(path, format=1)
+    with pytest.raises(CheckpointError, match="format-1 checkpoint, whose data= is pickled"):
+        checkpoint.load(path, template)
+    assert not marker.exists()
+    assert not template.params["inp.weight"].isnan().any()  # and the template is alive
+
+    # 3. Even a tensor entry whose metadata says "bytes" is refused before any read.
+    path = checkpoint.save(tmp_path / "swap", state, data={"next": 1})
+    keys, leaves, _ = checkpoint._flatten(state)
+    import torch.distributed.checkpoint as dcp
+
+    entries = dict(zip(keys, leaves))
+    entries["params/inp.weight"] = Payload(marker)
+    entries["rank0/data"] = torch.frombuffer(bytearray(b"{}"), dtype=torch.uint8)
+    for k in list(entries):
+        if checkpoint._is_per_rank(k):
+            entries[f"rank0/{k}"] = entries.pop(k)
+    for f in path.iterdir():
+        if f.name != "fasttorch.json":
+            f.unlink()
+    dcp.save(entries, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    rehash(path)
+    with pytest.raises(CheckpointError, match="'params/inp.weight' is a pickled object"):
+        checkpoint.load(path, template)
+    with pytest.raises(CheckpointError, match="'params/inp.weight' is a pickled object"):
+        checkpoint.model_state_dict(path)
+    assert not marker.exists()
+
+
+def test_a_trusted_format_1_checkpoint_loads_with_the_opt_in(tmp_path):
+    step, state = w.build("crash")
+    state, _ = w.run(step, state, 0, 2)
+    path = checkpoint.save(tmp_path, state, data={"next": 2})
+    rewrite_dcp(path, state, checkpoint._Box({"next": 2}))  # how format 1 stored data
+    rehash(path, format=1)
+    _, template = w.build("crash")
+    with pytest.raises(CheckpointError, match="format-1"):
+        checkpoint.load(path, template)
+    with pytest.warns(UserWarning, match="trust_pickled=True: .* can run any code"):
+        loaded, data = checkpoint.load(path, template, trust_pickled=True)
+    assert data == {"next": 2}
+    assert_same(w.leaves(state), w.leaves(loaded))
+    plain = w.Net()
+    plain.load_state_dict(checkpoint.model_state_dict(path))  # weights only: no opt-in
+    assert torch.equal(plain.inp.weight, state.params["inp.weight"])
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ((1, 2), r"data is a tuple: use a list"),
+        ({"epoch": 1, 2: "x"}, r"data has the key 2 \(int\)"),
+        ({"pos": [1, object()]}, r"data\['pos'\]\[1\] is a object"),
+        ({"loss": float("nan")}, r"data\['loss'\] is nan"),
+        (torch.zeros(2), r"data is a Tensor"),
+    ],
+)
+def test_data_must_be_json(tmp_path, data, match):
+    _, state = w.build("crash")
+    with pytest.raises(TypeError, match=match):
+        checkpoint.save(tmp_path, state, data=data)
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
+
+
+def test_json_data_comes_back_equal(tmp_path):
+    _, state = w.build("crash")
+    data = {"epoch": 3, "seen": [1, 2.5, None, True, "x"], "nested": {"a": {"b": []}}}
+    path = checkpoint.save(tmp_path, state, data=data)
+    _, template = w.build("crash")
+    assert checkpoint.load(path, template)[1] == data
+
+
+# --------------------------------------------------------------------------- corrupted newest
+
+
+def test_a_corrupted_newest_checkpoint_never_costs_the_intact_one(tmp_path):
+    step, state = w.build("crash")
+    saved = {}
+    for i in range(2):
+        state, _ = step(state, w.batch(i))
+        p = checkpoint.save(tmp_path, state, data={"next": i + 1})
+        saved[p.name] = w.leaves(state)
+    older, newest = sorted(saved)
+    blob = bytearray((tmp_path / newest / "__0_0.distcp").read_bytes())
+    blob[len(blob) // 2] ^= 0xFF  # same size: only the hash can tell
+    (tmp_path / newest / "__0_0.distcp").write_bytes(bytes(blob))
+    with pytest.warns(UserWarning, match="latest skips .* SHA-256"):
+        assert checkpoint.latest(tmp_path) == tmp_path / older
+    with pytest.warns(UserWarning, match="prune keeps .* corrupted"):
+        assert checkpoint.prune(tmp_path, keep_last=1) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == [older, newest]
+    _, template = w.build("crash")
+    loaded, _ = checkpoint.load(tmp_path / older, template)
+    assert_same(saved[older], w.leaves(loaded))
+    # Once a newer intact one exists, both older ones go.
+    state, _ = step(state, w.batch(2))
+    third = checkpoint.save(tmp_path, state, data={"next": 3}, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [third.name]
+
+
+# --------------------------------------------------------------------------- failed inplace load
+
+
+def test_a_failed_inplace_load_leaves_the_template_as_it_was(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    step, state = w.build("crash")
+    state, _ = w.run(step, state, 0, 2)
+    path = checkpoint.save(tmp_path, state)
+    model = w.Net()
+    template = step.init(fasttorch.TrainState.create(model, fasttorch.optim.adamw(1e-2)))
+    before = w.leaves(template)
+    weight = model.inp.weight.detach().clone()
+    commit = DefaultLoadPlanner.commit_tensor
+    seen = []
+    fail_at = [0]
+
+    def failing_commit(self, read_item, tensor):
+        seen.append(read_item)
+        if len(seen) == fail_at[0]:  # every entry but this one is already read
+            raise OSError("simulated read error")
+        return commit(self, read_item, tensor)
+
+    monkeypatch.setattr(DefaultLoadPlanner, "commit_tensor", failing_commit)
+    _, other = w.build("crash")
+    checkpoint.load(path, other)  # counts the reads
+    fail_at[0], seen[:] = len(seen), []
+    with pytest.raises(CheckpointError, match="simulated read error"):
+        checkpoint.load(path, template, inplace=True, verify_hashes=False)
+    assert len(seen) == fail_at[0] > 10
+    assert_same(before, w.leaves(template))  # alive and unchanged
+    assert torch.equal(model.inp.weight, weight)
+    monkeypatch.setattr(DefaultLoadPlanner, "commit_tensor", commit)
+    loaded, _ = checkpoint.load(path, template, inplace=True)
+    assert_same(w.leaves(state), w.leaves(loaded))
+
+
+def test_a_directory_that_is_not_a_checkpoint_is_never_replaced_or_pruned(tmp_path):
+    _, state = w.build("crash")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="notes': it exists and is not a fasttorch"):
+        checkpoint.save(tmp_path, state, name="notes")
+    checkpoint.save(tmp_path, state, name="a")
+    checkpoint.save(tmp_path, state, name="b", keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "notes"]
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"
