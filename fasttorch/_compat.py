@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +22,7 @@ __all__ = [
     "CPU_ATTENTION_BACKWARD",
     "CombinedGraphPass",
     "CustomGraphPass",
+    "DcpMetadataUnpickler",
     "assert_async",
     "autograd_profiler_enabled",
     "cpp_compile_error",
@@ -223,3 +226,48 @@ def autograd_profiler_enabled() -> bool:
     """
     check = getattr(getattr(torch._C, "_autograd", None), "_profiler_enabled", None)
     return bool(check()) if callable(check) else False
+
+
+# --------------------------------------------------------------------------- DCP
+
+_MD = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {
+    (_MD, n)
+    for n in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # looks a layout up by name
+    ("collections", "OrderedDict"),
+    *((m, c) for m in ("pathlib", "pathlib._local") for c in ("PosixPath", "WindowsPath")),
+    *((m, c) for m in ("pathlib", "pathlib._local") for c in ("PurePosixPath", "PureWindowsPath")),
+}
+
+
+class DcpMetadataUnpickler(pickle.Unpickler):
+    """Rebuilds DCP metadata only: every other global a pickle names is refused, so a
+    crafted file cannot call a function (a pickle runs code only through globals).
+
+    Why: torch reads DCP's ``.metadata`` with a plain ``pickle.load``
+    (``FileSystemReader.read_metadata``; pytorch/pytorch#189308, open), and those
+    records include private classes (``_StorageInfo``, ``_MEM_FORMAT_ENCODING``,
+    ``torch.serialization._get_layout``), named here and nowhere else.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return getattr(importlib.import_module(module), name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        raise pickle.UnpicklingError(f"it names {module}.{name}")

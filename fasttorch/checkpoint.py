@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import importlib
 import io
 import json
 import math
@@ -906,41 +905,7 @@ def wait_pending() -> None:
 # reads the metadata itself, with an unpickler that can only rebuild DCP's metadata
 # records, and refuses every non-tensor entry.
 
-_MD = "torch.distributed.checkpoint.metadata"
-_ALLOWED = {
-    (_MD, n)
-    for n in (
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # looks a layout up by name
-    ("collections", "OrderedDict"),
-    *((m, c) for m in ("pathlib", "pathlib._local") for c in ("PosixPath", "WindowsPath")),
-    *((m, c) for m in ("pathlib", "pathlib._local") for c in ("PurePosixPath", "PureWindowsPath")),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Rebuilds DCP metadata only: every other global a pickle names is refused, so a
-    crafted file cannot call a function (a pickle runs code only through globals)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED:
-            return getattr(importlib.import_module(module), name)
-        if module == "torch":
-            value = getattr(torch, name, None)
-            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-                return value
-        raise pickle.UnpicklingError(f"it names {module}.{name}")
+_MetadataUnpickler = _compat.DcpMetadataUnpickler
 
 
 def _unsafe(path: Path, what: str) -> CheckpointError:
