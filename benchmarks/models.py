@@ -9,6 +9,8 @@ hand-written variants split it with ``tensor_split`` in their own loop.
 * M1: a small, deep MLP (many small tensors): launch-overhead bound.
 * M2: a small ConvNet with BatchNorm (running statistics as buffers).
 * M3: a GPT (CPU: 2 layers, width 128, context 64; GPU: GPT-2 124M, context 1024).
+* M4: a ResNet-50-class convnet (bottleneck blocks, BatchNorm, channels_last; GPU:
+  ResNet-50's widths on 224x224 images; CPU: a quarter of the widths on 64x64).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class Spec:
     sample: Callable[[torch.Generator, int], tuple[torch.Tensor, torch.Tensor]]
     tokens_per_sample: int = 1
     gpt_shape: tuple[int, int, int] | None = None  # (layers, width, context), for FLOPs
+    channels_last: bool = False  # model and images in torch.channels_last
 
 
 class MLP(nn.Module):
@@ -81,6 +84,57 @@ class ConvNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+class Bottleneck(nn.Module):
+    """ResNet's bottleneck: 1x1 down, 3x3 (strided), 1x1 up, BatchNorm after each."""
+
+    def __init__(self, cin: int, mid: int, stride: int) -> None:
+        super().__init__()
+        cout = 4 * mid
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, mid, 1, bias=False),
+            nn.BatchNorm2d(mid),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(mid, mid, 3, stride=stride, padding=1, bias=False),
+            nn.BatchNorm2d(mid),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(mid, cout, 1, bias=False),
+            nn.BatchNorm2d(cout),
+        )
+        self.skip: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.skip = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.body(x) + self.skip(x))
+
+
+class ResNet(nn.Module):
+    """ResNet-50's layout (3, 4, 6, 3 bottlenecks) with base width ``width`` (64 in ResNet-50)."""
+
+    def __init__(self, width: int = 64, classes: int = 1000) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 7, stride=2, padding=3, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, stride=2, padding=1),
+        )
+        layers: list[nn.Module] = []
+        cin = width
+        for i, count in enumerate((3, 4, 6, 3)):
+            mid = width * 2**i
+            for j in range(count):
+                layers.append(Bottleneck(cin, mid, 2 if j == 0 and i > 0 else 1))
+                cin = 4 * mid
+        self.layers = nn.Sequential(*layers)
+        self.head = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(self.stem(x)).mean(dim=(2, 3)))
 
 
 class Block(nn.Module):
@@ -196,21 +250,33 @@ def _specs(device_type: str) -> dict[str, Spec]:
             sample=_images(16, 10),
         ),
         "M3": gpt,
+        "M4": Spec(
+            "M4",
+            "ResNet-50 (BatchNorm, channels_last, 224x224 images, 1000 classes)"
+            if gpu
+            else "ResNet-50 layout at 1/4 width (BatchNorm, channels_last, 64x64 images)",
+            (lambda: ResNet(64, 1000)) if gpu else (lambda: ResNet(16, 100)),
+            micro=64 if gpu else 2,
+            sample=_images(224, 1000) if gpu else _images(64, 100),
+            channels_last=True,
+        ),
     }
 
 
-MODELS = ("M1", "M2", "M3")
+MODELS = ("M1", "M2", "M3", "M4")
 
 
 def spec(model: str, device_type: str) -> Spec:
-    """The sizes of ``model`` ("M1", "M2", "M3") for ``device_type`` ("cpu", "cuda")."""
+    """The sizes of ``model`` (one of :data:`MODELS`) for ``device_type`` ("cpu", "cuda")."""
     return _specs(device_type)[model]
 
 
 def build(model: str, device: torch.device, seed: int = 0) -> nn.Module:
     """The model with the same initial weights in every variant (seeded)."""
     torch.manual_seed(seed)
-    return spec(model, device.type).make().to(device)
+    s = spec(model, device.type)
+    module = s.make().to(device)
+    return module.to(memory_format=torch.channels_last) if s.channels_last else module
 
 
 def windows(
@@ -219,10 +285,13 @@ def windows(
     """``n`` synthetic windows of ``ACCUM`` microbatches each, the same in every variant."""
     s = spec(model, device.type)
     g = torch.Generator().manual_seed(seed)
-    return [
-        tuple(t.to(device) for t in s.sample(g, ACCUM * s.micro))  # type: ignore[misc]
-        for _ in range(n)
-    ]
+    out = []
+    for _ in range(n):
+        x, y = (t.to(device) for t in s.sample(g, ACCUM * s.micro))
+        if s.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        out.append((x, y))
+    return out
 
 
 def loss_fn(apply: Callable[..., torch.Tensor], batch: tuple[torch.Tensor, ...]) -> torch.Tensor:

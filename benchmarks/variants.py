@@ -9,7 +9,11 @@ as a tensor and never reads it back: the worker reads it once, after step 50.
 * B1: B0 with ``torch.compile(model)``.
 * B2: B1 with the post-backward work (unscale, ``clip_grad_norm_``, ``opt.step()``) in a
   ``torch.compile``-d function, as the "compiling the optimizer" tutorial does.
-* B3: B1 with ``torch.compile(model, mode="reduce-overhead")`` (CUDA graphs; GPU only).
+* B3: B1 with ``torch.compile(model, mode="reduce-overhead")`` (CUDA graphs; GPU only),
+  with ``torch.compiler.cudagraph_mark_step_begin()`` before each microbatch's forward:
+  without it the next microbatch's replay overwrites the outputs the previous backward
+  still reads (what the CUDA graph guide prescribes for a forward run several times
+  per optimizer step).
 * B4: Lightning Fabric (``precision="bf16-mixed"``, ``torch.compile`` then
   ``fabric.setup``, ``no_backward_sync``, ``fabric.backward``, ``fabric.clip_gradients``).
 * B5: Hugging Face Accelerate (``Accelerator(mixed_precision=..., gradient_accumulation_steps=4,
@@ -108,6 +112,8 @@ def _stock(name: str, model_name: str, precision: str, device: torch.device) -> 
     def step(batch: Batch) -> torch.Tensor:
         total = torch.zeros((), device=device)
         for x, y in _micro(batch):
+            if name == "B3":
+                torch.compiler.cudagraph_mark_step_begin()
             with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
                 loss = _ce(forward(x), y) / ACCUM
             (scaler.scale(loss) if scaler is not None else loss).backward()

@@ -269,7 +269,7 @@ def matmul_peak_tflops(device: torch.device, n: int = 8192, reps: int = 50) -> f
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, choices=["M1", "M2", "M3"])
+    p.add_argument("--model", required=True, choices=["M1", "M2", "M3", "M4"])
     p.add_argument("--variant", required=True)
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

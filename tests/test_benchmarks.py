@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.stats import drifted_rounds, payback_steps, per_step, schedule, summarize
 
@@ -244,3 +245,46 @@ def test_update_graph_forms_compute_the_same_update():
     assert torch.equal(out["window-cat"]["window"], grads)
     with pytest.raises(ValueError, match="unknown form"):
         make_form("fused", shapes)
+
+
+def test_gpu_targets_compare_m4_bf16_f1_with_the_fp32_hand_loop():
+    """The ResNet target crosses precisions: bf16 F1 against the fp32 B0 loop."""
+    from benchmarks.run import targets
+    from benchmarks.stats import Summary
+
+    def block(prec: str, seconds: dict[str, float], alloc: dict[str, float]) -> dict:
+        return {
+            "model": "M4",
+            "precision": prec,
+            "analysis": {
+                "summary": {v: Summary(s, 1.0, 1.0, 1.0, 3) for v, s in seconds.items()},
+                "figures": {v: {"alloc_mb": a} for v, a in alloc.items()},
+            },
+        }
+
+    results = [
+        block("fp32", {"B0": 3.0}, {"B0": 100.0}),
+        block("bf16", {"B0": 2.0, "F1": 1.0}, {"B0": 60.0, "F1": 40.0}),
+    ]
+    rows = {name: (got, verdict) for name, got, verdict in targets(results, gpu=True)}
+    assert rows["M4: bf16 F1 >= 2.5x fp32 B0"] == ("3.00", "met")
+    assert rows["M4: bf16 F1 peak <= 0.5x fp32 B0"] == ("2.50", "met")
+    assert rows["M3 (GPT-2 124M): F1 >= 1.6x B0"] == ("not run", "–")
+
+
+def test_m4_is_a_channels_last_resnet_and_its_steps_agree_on_cpu():
+    """M4's CPU size trains one window in F0 and in the hand loop, on channels_last
+    tensors. The window's loss is taken before the update, from the same forward; the
+    two only sum the four microbatch means differently (eps-level, a few additions)."""
+    from benchmarks import models, variants
+
+    device = torch.device("cpu")
+    window = models.windows("M4", device, n=1)[0]
+    assert window[0].is_contiguous(memory_format=torch.channels_last)
+    model = models.build("M4", device)
+    conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert sum(isinstance(m, models.Bottleneck) for m in model.modules()) == 16
+    losses = [float(variants.make(v, "M4", "fp32", device).step(window)) for v in ("B0", "F0")]
+    eps = torch.finfo(torch.float32).eps
+    assert losses[0] == pytest.approx(losses[1], rel=8 * eps)
