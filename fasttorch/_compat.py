@@ -1,9 +1,10 @@
 """Every use of a private torch API in fasttorch, in one place.
 
-A torch upgrade should touch this file only. Each entry is feature-detected (never a
-version comparison), says in one line why fasttorch needs it, and names the upstream
-code or issue it depends on. Nothing else in the package imports ``torch._dynamo``,
-``torch._inductor`` or ``torch._C``, or calls a private ATen op.
+A torch upgrade should touch this file only. Each entry is feature-detected where there
+is a feature to detect (the one release check says why there is none), says why
+fasttorch needs it, and names the upstream code or issue it depends on. Nothing else in
+the package imports ``torch._dynamo``, ``torch._inductor`` or ``torch._C``, or calls a
+private ATen op.
 """
 
 from __future__ import annotations
@@ -173,6 +174,19 @@ class CombinedGraphPass(CustomGraphPass):  # type: ignore[misc]
     def uuid(self) -> Any:
         parts = [p.uuid() if hasattr(p, "uuid") else repr(p) for p in self.passes]
         return repr(parts)
+
+
+def cpu_gemm_pass_works() -> bool:
+    """Whether this inductor builds ``compiled``'s float32 CPU matrix-product pass right.
+
+    Why a release check: there is no feature to detect. Inductor 2.10's C++ codegen
+    fails on the pass with ``emulate_precision_casts`` (``CppVecOverrides.to_dtype()``
+    lacks ``use_compute_types``); 2.11 and 2.12 build it but their compiled step
+    differs from the hand-written loop by ~2e-2 (2.6e-4 on 2.15), a rounding
+    difference whose cause was not found. 2.13 is the first release tested good.
+    """
+    release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    return release >= (2, 13)
 
 
 # --------------------------------------------------------------------------- ATen

@@ -192,6 +192,8 @@ def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> G
     into = None if compiling else _scope.current().into
     if into is not None and direct is not None:
         return _grad_into_module(loss, state, direct, batch, mult, into)
+    if compiling:
+        return _grad_functional(loss, state, batch, mult)
     params: Tensors = (
         direct
         if direct is not None
@@ -206,6 +208,34 @@ def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> G
     return GradOut(
         grads=dict(zip(params, grads)), value=out.value.detach(), weight=out.weight, aux=aux
     )
+
+
+def _grad_functional(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> GradOut:
+    """``grad_phase`` inside a graph: ``torch.func.grad`` over the parameters.
+
+    Dynamo refuses ``Tensor.requires_grad_()`` (the eager path's detached leaves) on
+    torch 2.11 and ``torch.autograd.grad`` on 2.10; it traces ``torch.func.grad`` on
+    every supported release, to the same joint graph. Parameters and buffers are
+    arguments, not captured tensors: a BatchNorm forward writes its running statistics
+    into the buffers in place.
+    """
+    rest: list[Any] = []  # torch.func.grad's aux holds tensors only: the rest goes around
+
+    def value(params: Tensors, buffers: Tensors) -> tuple[torch.Tensor, Any]:
+        out = loss(state, params, buffers, batch)
+        leaves, spec = pytree.tree_flatten(out.aux)
+        is_t = [isinstance(x, torch.Tensor) for x in leaves]
+        rest.append((spec, is_t, [None if t else x for x, t in zip(leaves, is_t)]))
+        tensors = [x for x, t in zip(leaves, is_t) if t]
+        return out.value * mult, (out.value, out.weight, tensors)
+
+    grads, (v, weight, tensors) = torch.func.grad(value, has_aux=True)(
+        dict(state.params), state.buffers
+    )
+    spec, is_t, others = rest[0]
+    it = iter(tensors)
+    aux = pytree.tree_unflatten([next(it) if t else x for x, t in zip(others, is_t)], spec)
+    return GradOut(grads=dict(grads), value=v.detach(), weight=weight, aux=aux)
 
 
 class IntoGrad:

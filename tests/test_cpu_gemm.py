@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -293,3 +294,26 @@ def test_a_step_with_no_cpu_tensor_is_compiled_without_the_pass():
     mine = {"emulate_precision_casts": False}
     kept = _without_cpu_only_passes({"options": _with_cpu_gemm(mine, "fp32", "inductor")}, on_gpu)
     assert kept["options"] == {"emulate_precision_casts": False}
+
+
+def test_where_torch_cannot_run_the_pass_fp32_is_refused_and_auto_warns_on_cpu_only(monkeypatch):
+    """Before torch 2.13 the pass fails to build or rounds differently: cpu_gemm='fp32'
+    raises at wrap time; 'auto' drops it with one warning, at the first call and only
+    when the step has CPU tensors (a GPU step never needs it)."""
+    from fasttorch import _compat, steps
+    from fasttorch.transforms.compiled import _without_cpu_only_passes
+
+    monkeypatch.setattr(_compat, "cpu_gemm_pass_works", lambda: False)
+    with pytest.raises(ValueError, match="cpu_gemm='fp32' needs torch >= 2.13"):
+        fasttorch.compiled(fasttorch.step(mse), cpu_gemm="fp32")
+    opts = {"backend": "inductor", "options": _with_cpu_gemm(None, "auto", "inductor")}
+    if not opts["options"]:
+        pytest.skip("this CPU has bf16 and fp16 units: 'auto' adds no pass")
+    steps.warn_once.cache_clear()
+    on_gpu = ({"w": torch.empty(2, device="meta")},)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _without_cpu_only_passes(opts, on_gpu)["options"] == {}, "no pass, no warning"
+    with pytest.warns(UserWarning, match="needs torch >= 2.13"):
+        kept = _without_cpu_only_passes(opts, ({"w": torch.empty(2)},))
+    assert kept["options"] == {}, "the pass and the rounding option it set are dropped"

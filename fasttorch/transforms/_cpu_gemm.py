@@ -133,6 +133,7 @@ class HalfGemmInFloat32(_compat.CustomGraphPass):  # type: ignore[misc]
     def __init__(self, dtypes: Iterable[torch.dtype], *, set_emulate: bool = False) -> None:
         self.dtypes = tuple(dtypes)
         self.set_emulate = set_emulate  # compiled turned emulate_precision_casts on for it
+        self.unavailable: str | None = None  # why this torch cannot run it, if it cannot
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         wide: dict[torch.fx.Node, torch.fx.Node] = {}  # source -> its float32 copy

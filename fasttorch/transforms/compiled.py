@@ -146,12 +146,28 @@ def _with_cpu_gemm(
         return options
     if not dtypes:
         return options
+    unavailable = None
+    if not _compat.cpu_gemm_pass_works():
+        found = torch.__version__
+        if cpu_gemm == "fp32":
+            raise ValueError(
+                f"compiled: cpu_gemm='fp32' needs torch >= 2.13, found {found}: older "
+                "inductor fails to build it (2.10) or rounds it differently from the "
+                "hand-written loop (2.11, 2.12). Use cpu_gemm='native', or upgrade torch"
+            )
+        # Said on the first call, and only if it has CPU tensors: a GPU step never needs it.
+        unavailable = (
+            f"compiled: bf16/fp16 matrix products on this CPU run natively on torch {found} "
+            "(slower here than in float32): compiled's float32 pass needs torch >= 2.13. "
+            "Pass cpu_gemm='native' to silence this, or upgrade torch"
+        )
     out = dict(options or {})
     # Inductor would otherwise skip the bf16 rounding between a value's producer and
     # the widening convert when both fuse, and multiply unrounded float32 values.
     set_emulate = "emulate_precision_casts" not in out
     out.setdefault("emulate_precision_casts", True)
     mine = HalfGemmInFloat32(dtypes, set_emulate=set_emulate)
+    mine.unavailable = unavailable
     theirs = out.get("post_grad_custom_pre_pass")
     if theirs is None:
         out["post_grad_custom_pre_pass"] = mine
@@ -341,7 +357,9 @@ def _without_cpu_only_passes(options: dict[str, Any], args: Any) -> dict[str, An
 
     Such a pass (``compiled``'s bf16 matrix-product rewrite) would find nothing to do in
     a GPU graph, but the rounding option it asks for (``emulate_precision_casts``, when
-    it set it) would still change the GPU kernels.
+    it set it) would still change the GPU kernels. A pass this torch cannot run
+    (``unavailable`` holds why) is dropped too, with that warning once, when the step
+    has CPU tensors.
     """
     inner = options.get("options")
     if not isinstance(inner, dict):
@@ -352,7 +370,11 @@ def _without_cpu_only_passes(options: dict[str, Any], args: Any) -> dict[str, An
     else:
         passes = list(given) if isinstance(given, (list, tuple)) else [given]
     mine = [p for p in passes if getattr(p, "cpu_only", False)]
-    if not mine or _on_cpu(args):
+    if _on_cpu(args):
+        mine = [p for p in mine if getattr(p, "unavailable", None)]
+        for p in mine:
+            warn_once(p.unavailable)
+    if not mine:
         return options
     inner = dict(inner)
     rest = [p for p in passes if p is not None and p not in mine]

@@ -163,15 +163,19 @@ def _across_calls(
     window: AccumState = state.substates[KEY]
     rest = {k: v for k, v in state.substates.items() if k != KEY}
     inner = state.replace(substates=rest)
+    # The kernels see the window at micro=0: a Python int that changes from call to call
+    # would be a guard (torch 2.10's dynamo guards on it though no kernel reads it), so a
+    # recompile per position. The position is set on the result here.
+    plain = window.replace(micro=0)
     if window.micro + 1 < n:
-        acc, g = _micro_kernel(step)(inner, window, batch, n, step.donate)
+        acc, g = _micro_kernel(step)(inner, plain, batch, n, step.donate)
         new = inner.replace(substates={**rest, KEY: acc.replace(micro=window.micro + 1)})
         metrics: Metrics = {"loss": g.value}
         if g.aux is not None:
             metrics["aux"] = g.aux
         return new, metrics
     finish = step.finish or finish_window
-    new, metrics, fresh, _ = finish(step, inner, window, batch, n, True)
+    new, metrics, fresh, _ = finish(step, inner, plain, batch, n, True)
     return new.replace(substates={**new.substates, KEY: fresh}), metrics
 
 
