@@ -65,7 +65,7 @@ def _reuse(
         }
     if isinstance(new, struct.Record) and type(old) is type(new):
         changes = {}
-        for name in type(new).__fasttorch_data_fields__:
+        for name in struct.data_fields(new):
             a, b = getattr(old, name), getattr(new, name)
             if not _same(a, b, compiling):
                 changes[name] = _reuse(a, b, dst, src, compiling)

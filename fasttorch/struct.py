@@ -16,7 +16,7 @@ from typing import Any
 import torch.utils._pytree as pytree
 from typing_extensions import Self, dataclass_transform
 
-__all__ = ["Record", "field"]
+__all__ = ["Record", "data_fields", "field"]
 
 _STATIC = "fasttorch_static"
 
@@ -78,3 +78,22 @@ class Record:
     def replace(self, **changes: Any) -> Self:
         """A copy with ``changes`` applied (``dataclasses.replace``); traces under compile."""
         return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
+
+def data_fields(record: Record) -> tuple[str, ...]:
+    """The names of ``record``'s pytree leaves (its fields not marked ``static``).
+
+    Computed once per class, so code traced by ``torch.compile`` reads a tuple of
+    strings instead of ``dataclasses.fields`` and their metadata (a ``mappingproxy``,
+    which dynamo in torch 2.10 cannot trace).
+
+    Example:
+        >>> import torch
+        >>> from fasttorch import struct
+        >>> class Window(struct.Record):
+        ...     total: torch.Tensor
+        ...     micro: int = struct.field(static=True, default=0)
+        >>> struct.data_fields(Window(torch.tensor(0.0)))
+        ('total',)
+    """
+    return type(record).__fasttorch_data_fields__

@@ -50,7 +50,8 @@ class BatchNormNet(nn.Module):
 
 def mse(apply: Callable[..., torch.Tensor], batch: Sequence[torch.Tensor]) -> torch.Tensor:
     x, y = batch
-    return nn.functional.mse_loss(apply(x).float(), y)
+    # In y's dtype: float32 under autocast, float64 in tests/tolerance.py's float64 run.
+    return nn.functional.mse_loss(apply(x).to(y.dtype), y)
 
 
 def batches(n: int, size: int, *, d_in: int = 8, d_out: int = 4, seed: int = 0) -> list[Any]:

@@ -56,7 +56,7 @@ def _get(results, name):
 @pytest.mark.parametrize("name", ["within_eager", "across_eager", "within_compiled"])
 def test_equals_one_process_on_the_whole_batch(results, name):
     for r in _get(results, name):
-        assert r["rel_diff"] < 1e-6, r
+        assert r["rel_diff"] <= r["bound"], r
         assert r["bitwise_equal_every_step"], r
         assert r["steps"] == 4
 
@@ -115,7 +115,8 @@ def test_torchrun_smoke():
         env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = re.findall(r"rank (\d)/2 on cpu: step 3 loss ([\d.]+) equal=True", out.stdout)
+    device = "cuda:[01]" if torch.cuda.device_count() >= 2 else "cpu"
+    lines = re.findall(rf"rank (\d)/2 on {device}: step 3 loss ([\d.]+) equal=True", out.stdout)
     assert sorted(r for r, _ in lines) == ["0", "1"], out.stdout
     assert lines[0][1] == lines[1][1]  # the same global loss on both ranks
 
@@ -167,6 +168,9 @@ def test_the_example_on_two_ranks_matches_one_process(tmp_path):
         "1",
         "--out",
         str(tmp_path),
+        # Both runs on the device two ranks can share: a GPU each, else gloo on the CPU.
+        "--device",
+        "cuda" if torch.cuda.device_count() >= 2 else "cpu",
     ]
     example = str(HERE.parent / "examples" / "train_charlm.py")
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
@@ -184,5 +188,7 @@ def test_the_example_on_two_ranks_matches_one_process(tmp_path):
         )
     single, parallel = runs
     assert len(single) == len(parallel) == 6
-    assert max(abs(a - b) for a, b in zip(single, parallel)) < 1e-5, runs
+    # The losses are printed to 4 decimals: equal up to rounding, they may still land on
+    # either side of a rounding boundary, one unit of the last printed place apart.
+    assert max(abs(a - b) for a, b in zip(single, parallel)) <= 1e-4 + 1e-12, runs
     assert parallel[-1] < parallel[0]

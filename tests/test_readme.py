@@ -19,10 +19,17 @@ README = (ROOT / "README.md").read_text()
 
 def test_ci_runs_the_readme_test_command():
     commands = re.findall(r"```bash\n(.*?)\n```", README, re.S)
-    assert len(commands) == 2, "the README has the main-job command and the test command"
+    assert len(commands) == 3, "the README has the main job's, the tests' and the torch user's"
     ci = (ROOT / ".ci" / "run").read_text()
     assert commands[1] in ci.splitlines()
     assert "examples/train_charlm.py" in commands[0] and "pytest" in commands[1]
+
+
+def test_ci_runs_the_readme_command_for_a_machine_with_torch():
+    commands = re.findall(r"```bash\n(.*?)\n```", README, re.S)
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert "examples/train_charlm.py" in commands[2] and "-c constraints.txt" not in commands[2]
+    assert commands[2] in ci
 
 
 def _machine() -> str:

@@ -228,4 +228,5 @@ def in_cpu_graph(tensors: list[Tensor]) -> bool:
     first, a copy the size of the parameters. Per-tensor ``lerp`` is lowered and fuses
     with the arithmetic around it.
     """
-    return bool(tensors) and tensors[0].device.type == "cpu" and torch.compiler.is_compiling()
+    # len(), not bool(): dynamo in torch 2.10 and 2.11 cannot trace bool() of a list.
+    return len(tensors) > 0 and tensors[0].device.type == "cpu" and torch.compiler.is_compiling()
