@@ -400,3 +400,25 @@ def test_the_cpp_wrapper_is_for_graphs_whose_tensors_are_all_on_the_cpu():
     assert _with_cpp_wrapper(mine)["options"]["cpp_wrapper_build_separate"] is False
     torch.compile(lambda x: x, **_with_cpp_wrapper(opts))  # options torch accepts
     assert _with_cpp_wrapper({"backend": "aot_eager"}) == {"backend": "aot_eager"}
+
+
+def test_a_set_cpu_capability_without_a_cache_of_its_own_is_warned_about(monkeypatch):
+    """Inductor's cache keys ignore ATEN_CPU_CAPABILITY (a run of another setting's
+    kernels crashed or gave NaN): compiled says so once, unless the cache is separate."""
+    compiled_mod = importlib.import_module("fasttorch.transforms.compiled")
+    from fasttorch import steps
+
+    steps.warn_once.cache_clear()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/somewhere")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled_mod._check_isa_cache()
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    with pytest.warns(UserWarning, match="TORCHINDUCTOR_CACHE_DIR"):
+        compiled_mod._check_isa_cache()
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    steps.warn_once.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled_mod._check_isa_cache()

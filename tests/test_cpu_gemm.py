@@ -12,6 +12,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import fasttorch
+from fasttorch import _compat
 from fasttorch.transforms import _cpu_gemm
 from fasttorch.transforms._cpu_gemm import HalfGemmInFloat32, half_gemm_dtypes
 from fasttorch.transforms.compiled import _with_cpu_gemm
@@ -39,6 +40,12 @@ def _inputs():
     c = torch.randn(3, 8, 8, generator=g).bfloat16()
     bias = torch.randn(24, generator=g).bfloat16()
     return a, b, c, bias, a.half(), b.half(), c.half()
+
+
+needs_pass = pytest.mark.skipif(
+    not _compat.cpu_gemm_pass_works(),
+    reason="compiled's float32 CPU pass needs torch >= 2.13 (_compat.cpu_gemm_pass_works)",
+)
 
 
 class Theirs(CustomGraphPass):
@@ -195,6 +202,7 @@ def test_cpu_gemm_choices(monkeypatch):
         assert _with_cpu_gemm({"x": 1}, choice, "aot_eager") == {"x": 1}
 
 
+@needs_pass
 def test_the_pass_runs_ahead_of_the_callers_own():
     theirs = Theirs()
     opts = {"post_grad_custom_pre_pass": theirs}
@@ -210,6 +218,7 @@ def test_the_pass_runs_ahead_of_the_callers_own():
     assert HalfGemmInFloat32([torch.bfloat16]).uuid() != HalfGemmInFloat32([torch.float16]).uuid()
 
 
+@needs_pass
 @pytest.mark.slow
 def test_compiled_bf16_step_with_float32_products_matches_native_and_the_hand_written_loop():
     """Inductor, bf16 autocast, accumulation and clipping.
@@ -277,6 +286,7 @@ def test_compiled_bf16_step_with_float32_products_matches_native_and_the_hand_wr
         assert_params_close(state, ref, rtol=1e-3, atol=1e-3)
 
 
+@needs_pass
 def test_a_step_with_no_cpu_tensor_is_compiled_without_the_pass():
     from fasttorch.transforms.compiled import _without_cpu_only_passes
 

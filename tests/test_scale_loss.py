@@ -4,9 +4,9 @@ import copy
 
 import pytest
 import torch
+from reference import LayerNormNet, assert_params_close, batches, mse
 
 import fasttorch
-from tests.reference import LayerNormNet, assert_params_close, batches, mse
 
 
 def _hand_loop(model, data, factor, n=1):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import types
 from collections.abc import Callable
@@ -241,6 +242,7 @@ def compile_step_fn(
         if compiled_fn is None:  # on the first call, when the tensors' devices are known
             opts = _without_cpu_only_passes(options, (args, kwargs))
             if _on_cpu((args, kwargs)):
+                _check_isa_cache()
                 probe_cpu_isa_early(opts)
             opts = _with_fusion_cap(opts)
             if cpp_wrapper_on_cpu and _only_on_cpu((args, kwargs)):
@@ -313,6 +315,18 @@ def _with_cpp_wrapper(options: dict[str, Any]) -> dict[str, Any]:
     if _compat.inductor_has_option("cpp_wrapper_build_separate"):
         inner.setdefault("cpp_wrapper_build_separate", True)
     return {**options, "options": inner}
+
+
+def _check_isa_cache() -> None:
+    """Warn once where inductor's cache may hand this process another ISA's kernels."""
+    isa = os.environ.get("ATEN_CPU_CAPABILITY")
+    if isa and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        warn_once(
+            f"compiled: ATEN_CPU_CAPABILITY={isa} is set, but inductor's cache does not "
+            "tell kernels built for one instruction set from another: a process that "
+            "shares the cache with runs of another setting can load their kernels, which "
+            "crashed or gave NaN. Give each setting its own TORCHINDUCTOR_CACHE_DIR"
+        )
 
 
 _ISA_PROBE: list[threading.Thread] = []
