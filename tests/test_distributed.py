@@ -3,6 +3,7 @@ costs seconds to start), each with a timeout so that a hang fails instead of sta
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -192,3 +193,24 @@ def test_the_example_on_two_ranks_matches_one_process(tmp_path):
     # either side of a rounding boundary, one unit of the last printed place apart.
     assert max(abs(a - b) for a, b in zip(single, parallel)) <= 1e-4 + 1e-12, runs
     assert parallel[-1] < parallel[0]
+
+
+def test_setup_on_a_node_with_fewer_gpus_than_processes(monkeypatch):
+    """Two processes on a node with one GPU: left to choose, every rank takes the CPU
+    (gloo) and says so once; asked for CUDA, a clear error instead of CUDA's
+    'invalid device ordinal'. With enough GPUs each rank takes cuda:LOCAL_RANK."""
+    from fasttorch import steps
+
+    setup_mod = importlib.import_module("fasttorch.distributed.setup")
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for local in ("0", "1"):  # both ranks of the node decide alike
+        monkeypatch.setenv("LOCAL_RANK", local)
+        steps.warn_once.cache_clear()
+        with pytest.warns(UserWarning, match="2 processes on this node but 1 GPU"):
+            assert setup_mod._local_gpu(auto=True) == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=1 of 2 .* 1 GPU\(s\)"):
+        setup_mod._local_gpu(auto=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert setup_mod._local_gpu(auto=True) == torch.device("cuda", 1)

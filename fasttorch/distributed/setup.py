@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 
 from fasttorch._rng import initial_rng_state
 from fasttorch.state import TrainState, check_alive
+from fasttorch.steps import warn_once
 
 __all__ = ["backend_for", "replicate", "setup"]
 
@@ -29,19 +30,21 @@ def setup(
     """Join the process group ``torchrun`` describes; return ``(rank, world, device)``.
 
     The backend is picked from the device (:func:`backend_for`). With CUDA each process
-    takes ``cuda:LOCAL_RANK``. Outside torchrun (no ``WORLD_SIZE``) it does nothing and
+    takes ``cuda:LOCAL_RANK``; left to choose (``device=None``) on a node that runs
+    more processes than it has GPUs, every rank uses the CPU and gloo instead, and says
+    so once. Outside torchrun (no ``WORLD_SIZE``) it does nothing and
     returns ``(0, 1, device)``. Launch with ``torchrun --standalone --nproc_per_node=N``
     on one machine, or ``--nnodes=M --node-rank=I --rdzv-endpoint=HOST:PORT`` across
     machines.
     """
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    auto = device is None
+    device = torch.device(device if device is not None else _default_device())
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1 and not dist.is_initialized():
         return 0, 1, device
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = _local_gpu(auto)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {"backend": backend_for(device), "timeout": timeout}
@@ -49,6 +52,33 @@ def setup(
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _local_gpu(auto: bool) -> torch.device:
+    """``cuda:LOCAL_RANK``; the CPU for every rank of a node with too few GPUs (``auto``)."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(local + 1)))
+    count = torch.cuda.device_count()
+    if max(local + 1, per_node) <= count:
+        return torch.device("cuda", local)
+    if auto:  # every rank of the node sees the same numbers, so all take the CPU
+        warn_once(
+            f"fasttorch.distributed.setup: {per_node} processes on this node but "
+            f"{count} GPU(s): every rank runs on the CPU with gloo. Launch at most "
+            f"{count} processes per node (torchrun --nproc_per_node={count}) to use "
+            "the GPUs, or pass device='cpu' to choose the CPU and silence this"
+        )
+        return torch.device("cpu")
+    raise ValueError(
+        f"fasttorch.distributed.setup(device='cuda'): this process has LOCAL_RANK={local} "
+        f"of {per_node} on its node but the node has {count} GPU(s), so cuda:{local} "
+        f"does not exist. Launch at most {count} processes per node "
+        f"(torchrun --nproc_per_node={count}), or use device='cpu' (gloo)"
+    )
 
 
 def replicate(state: TrainState, *, group: Any = None, src: int = 0) -> TrainState:
