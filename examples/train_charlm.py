@@ -60,7 +60,7 @@ import fasttorch
 from fasttorch import checkpoint, schedules
 from fasttorch.distributed import replicate, setup, sync_on_last
 from fasttorch.evaluation import evaluate
-from fasttorch.loop import Progress, every, memory_bytes
+from fasttorch.loop import Progress, TensorBoardWriter, every, memory_bytes
 from fasttorch.transforms.profiled import Profiled
 
 Batch = tuple[Tensor, Tensor]
@@ -499,6 +499,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="trace steps 3-5 with torch.profiler (fasttorch.profiled) into DIR",
     )
     p.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="also write the logged metrics as TensorBoard event files into DIR",
+    )
+    p.add_argument(
         "--out", default="runs/charlm", metavar="DIR", help="loss.svg and summary.json go here"
     )
     p.add_argument(
@@ -635,9 +641,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"(uniform: {math.log(len(vocab)):.4f})"
         )
 
-    bar = None
+    bar = tb = None
     if rank == 0:
         bar = Bar(args.steps, precision=args.precision, start=start, compiles=compile)
+        if args.tensorboard is not None:
+            tb = TensorBoardWriter(args.tensorboard)  # fasttorch.loop's Logger sink
+            if start == 0:
+                tb(0, {"eval": {n.replace(" ", "_"): history[n][0][1] for n in evals}})
     log_due, eval_due = every(args.log_every), every(args.eval_every or args.steps + 1)
     ckpt_due = every(args.ckpt_every or args.steps + 1)
     pending: checkpoint.SaveHandle | None = None
@@ -665,6 +675,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             history["train"].append([done, mean_loss])
             if bar is not None:
                 bar.show(done, {**metrics, "mean": mean_loss}, compile_s if first else None)
+            if tb is not None:  # read here, on a log step, like the line above
+                tb(done, {"train": {**metrics, "loss_avg": mean_loss}})
             window_loss.zero_()
             window_skipped.zero_()
             last_log = done
@@ -673,6 +685,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             values = {name: held_out(fn, state, val_set, world) for name, fn in evals.items()}
             for name, value in values.items():
                 history[name].append([done, value])
+            if tb is not None:
+                tb(done, {"eval": {n.replace(" ", "_"): v for n, v in values.items()}})
             dt = time.perf_counter() - t0
             eval_s += dt
             if bar is not None:
@@ -697,6 +711,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     t_end = time.perf_counter()
     if bar is not None:
         bar.close()
+    if tb is not None:
+        tb.close()
     if prof is not None:
         prof.stop()  # writes the window being recorded if the run was shorter than it
     saved = str(pending.wait()) if pending is not None else None  # the last save completes
