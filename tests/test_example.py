@@ -63,6 +63,8 @@ OPTIONAL = {"device", "torch", "resumed_from", "val_loss_ema", "checkpoint"}
 
 @pytest.fixture(scope="module")
 def example() -> ModuleType:
+    if str(EXAMPLE.parent) not in sys.path:  # as `python examples/train_charlm.py` has it
+        sys.path.insert(0, str(EXAMPLE.parent))
     spec = importlib.util.spec_from_file_location("train_charlm", EXAMPLE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
