@@ -57,6 +57,7 @@ from torch import Tensor, nn
 
 import fasttorch
 from fasttorch import checkpoint, schedules
+from fasttorch.data import from_json, to_json
 from fasttorch.distributed import replicate, setup, sync_on_last
 from fasttorch.evaluation import evaluate
 from fasttorch.loop import TensorBoardWriter, every
@@ -468,7 +469,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         path = checkpoint.latest(args.ckpt_dir)
         if path is not None:
             state, data = checkpoint.load(path, state, inplace=True)
-            train_batches.gen.set_state(data["batches"])
+            train_batches.gen.set_state(from_json(data["batches"]))
             history = data["history"]
             start = resumed_from = int(state.step)
             if start != data["step"]:
@@ -565,7 +566,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             # Collective under torchrun (every rank calls it); the state is copied to CPU
             # memory first, then written in a background thread while training goes on.
             t0 = time.perf_counter()
-            position = {"batches": train_batches.gen.get_state(), "step": done}
+            # JSON values only (a checkpoint's data is never unpickled): the
+            # generator's state tensor goes in as a list by fasttorch.data.to_json.
+            position = {"batches": to_json(train_batches.gen.get_state()), "step": done}
             pending = checkpoint.async_save(
                 args.ckpt_dir,
                 state,
