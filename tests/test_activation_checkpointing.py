@@ -117,3 +117,37 @@ def test_checkpointed_step_matches_the_reference_loop(where, precision, mode):
     assert_params_close(state, ref, rtol=rtol, atol=atol)
     rtol, atol = LOSS_TOL[precision]
     torch.testing.assert_close(losses, torch.tensor([r["loss"] for r in log]), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_with_every_single_process_transform(mode):
+    """ema and skip_nonfinite as well, accumulating across calls, fp16 from a scale that
+    overflows: checkpointed blocks give bit for bit the parameters, EMA and skipped
+    steps of the plain model, eager and compiled (aot_eager runs the same operations)."""
+    torch.manual_seed(0)
+    model = Deep(ckpt=True)
+    plain = Deep(ckpt=False)
+    plain.load_state_dict(model.state_dict())
+    _, calls = windows_for("across")
+
+    def run(m):
+        s = fasttorch.with_amp(fasttorch.step(mse), "fp16", **FP16)
+        s = fasttorch.grad_accumulate(s, N, across_calls=True)
+        s = fasttorch.ema(fasttorch.skip_nonfinite(fasttorch.clip_scaled(s, 1.0)), 0.9)
+        if mode == "compiled":
+            s = fasttorch.compiled(s, backend="aot_eager")
+        state = s.init(fasttorch.TrainState.create(copy.deepcopy(m), fasttorch.optim.adamw(1e-2)))
+        skipped = []
+        for batch in calls:
+            state, metrics = s(state, batch)
+            if "skipped" in metrics:
+                skipped.append(metrics["skipped"])
+        return state, torch.stack(skipped)
+
+    a, skipped_a = run(model)
+    b, skipped_b = run(plain)
+    assert torch.equal(skipped_a, skipped_b) and int(skipped_a.sum()) > 0  # fp16 overflowed
+    leaves = {**a.params, **{f"ema/{k}": v for k, v in a.substates["ema"].params.items()}}
+    other = {**b.params, **{f"ema/{k}": v for k, v in b.substates["ema"].params.items()}}
+    for k in leaves:
+        assert torch.equal(leaves[k], other[k]), k
