@@ -43,24 +43,24 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse
 import json
 import math
-import resource
 import sys
 import sysconfig
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
-from xml.sax.saxutils import escape
 
 import torch
 import torch.nn.functional as F
+from example_utils import Bar, loss_svg, peak_memory_bytes  # examples/example_utils.py
 from torch import Tensor, nn
 
 import fasttorch
 from fasttorch import checkpoint, schedules
+from fasttorch.data import from_json, to_json
 from fasttorch.distributed import replicate, setup, sync_on_last
 from fasttorch.evaluation import evaluate
-from fasttorch.loop import Progress, every, memory_bytes
+from fasttorch.loop import TensorBoardWriter, every
 from fasttorch.transforms.profiled import Profiled
 
 Batch = tuple[Tensor, Tensor]
@@ -295,137 +295,6 @@ def held_out(fn: EvalFn, state: fasttorch.TrainState, batches: list[Batch], worl
     return float(loss)
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak CUDA memory allocated on a GPU; on a CPU, the process's peak resident set."""
-    if device.type == "cuda":
-        return memory_bytes(device)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return max(memory_bytes(device), rss if sys.platform == "darwin" else rss * 1024)
-
-
-class Bar(Progress):
-    """``fasttorch.loop.Progress`` (a ``\\r``-rewritten line on a terminal, one line per
-    display otherwise) with this job's line: 4-decimal losses, the log window's mean loss,
-    gradient norm, and steps/s that leave out compilation, evaluation and checkpointing.
-
-    The line keeps the shape ``step N/TOTAL | loss X | ...`` that the tests parse.
-    """
-
-    def __init__(self, total: int, *, precision: str, start: int, compiles: bool) -> None:
-        super().__init__(total, precision=precision)
-        self.since = (self.clock(), start)  # the rate counts from here
-        self.compiles = compiles
-
-    def exclude(self, seconds: float) -> None:
-        """Leave ``seconds`` of non-training work (evaluation, checkpoint) out of the rate."""
-        t0, n0 = self.since
-        self.since = (t0 + seconds, n0)
-
-    def show(self, done: int, metrics: dict[str, Any], first_step_s: float | None) -> None:
-        """Display the line after ``done`` steps (reads the metrics: a host sync)."""
-        now = self.clock()
-        t0, n0 = self.since
-        self.since = (now, done)
-        if first_step_s is not None:
-            speed = f"first step {first_step_s:.1f} s" + (" (compiles)" if self.compiles else "")
-        else:
-            speed = f"{(done - n0) / (now - t0) if now > t0 else math.inf:.2f} steps/s"
-        parts = [
-            f"step {done:5d}/{self.total}",
-            f"loss {float(metrics['loss']):.4f} (mean {metrics['mean']:.4f})",
-            f"lr {float(metrics['lr']):.2e}",
-            str(self.precision),
-        ]
-        if "loss_scale" in metrics:
-            parts.append(f"scale {float(metrics['loss_scale']):g}")
-        parts += [
-            f"grad norm {float(metrics['grad_norm']):.3f}",
-            speed,
-            f"mem {memory_bytes(metrics['loss'].device) / 2**30:.2f} GiB",
-        ]
-        self.write(" | ".join(parts))
-
-
-# --------------------------------------------------------------------------- outputs
-
-
-def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    """Round tick values covering ``[lo, hi]``, about ``n`` of them."""
-    span = hi - lo if hi > lo else max(abs(hi), 1.0)
-    raw = span / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw * (1 - 1e-9))
-    first, last = math.floor(lo / step + 1e-9), math.ceil(hi / step - 1e-9)
-    if last <= first:
-        last = first + 1
-    return [round(i * step, 10) for i in range(first, last + 1)]
-
-
-def loss_svg(curves: dict[str, list[list[float]]], total_steps: int, title: str) -> str:
-    """A loss-curve chart as an SVG document, written by hand (no plotting dependency).
-
-    ``curves`` maps a label to ``[step, loss]`` points; the ``train`` curve is a line,
-    the others lines with a marker on each point.
-    """
-    w, h, left, right, top, bottom = 720, 420, 64, 20, 40, 52
-    pw, ph = w - left - right, h - top - bottom
-    points = [p for pts in curves.values() for p in pts if math.isfinite(p[1])]
-    ys = [p[1] for p in points] or [0.0, 1.0]
-    yt = _ticks(min(ys), max(ys))
-    xt = _ticks(0, max(total_steps, 1))
-    x0, x1, y0, y1 = xt[0], xt[-1], yt[0], yt[-1]
-
-    def sx(x: float) -> float:
-        return left + (x - x0) / (x1 - x0) * pw
-
-    def sy(y: float) -> float:
-        return top + (1 - (y - y0) / (y1 - y0)) * ph
-
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
-        f'viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">',
-        f'<rect width="{w}" height="{h}" fill="white"/>',
-        f'<text x="{w / 2}" y="22" text-anchor="middle" font-size="14">{escape(title)}</text>',
-    ]
-    for t in yt:
-        y = sy(t)
-        out.append(
-            f'<line x1="{left}" y1="{y:.1f}" x2="{left + pw}" y2="{y:.1f}" stroke="#e5e5e5"/>'
-        )
-        out.append(f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{t:g}</text>')
-    for t in xt:
-        x = sx(t)
-        out.append(f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{top + ph}" stroke="#e5e5e5"/>')
-        out.append(f'<text x="{x:.1f}" y="{top + ph + 18}" text-anchor="middle">{t:g}</text>')
-    out += [
-        f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#444"/>',
-        f'<text x="{left + pw / 2}" y="{h - 10}" text-anchor="middle">optimizer step</text>',
-        f'<text transform="translate(16 {top + ph / 2}) rotate(-90)" text-anchor="middle">'
-        "loss (nats per byte)</text>",
-    ]
-    colors = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
-    for i, (label, pts) in enumerate(curves.items()):
-        color = colors[i % len(colors)]
-        xy = [(sx(x), sy(y)) for x, y in pts if math.isfinite(y)]
-        if not xy:
-            continue
-        path = " ".join(f"{x:.1f},{y:.1f}" for x, y in xy)
-        dash = "" if i == 0 else ' stroke-dasharray="6 3"'
-        out.append(
-            f'<polyline points="{path}" fill="none" stroke="{color}" stroke-width="2"{dash}/>'
-        )
-        if i > 0:
-            out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>' for x, y in xy]
-        ly = top + 16 + 18 * i
-        out.append(
-            f'<line x1="{left + pw - 150}" y1="{ly}" x2="{left + pw - 126}" y2="{ly}" '
-            f'stroke="{color}" stroke-width="2"/>'
-        )
-        out.append(f'<text x="{left + pw - 120}" y="{ly + 4}">{escape(label)}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
-
-
 # --------------------------------------------------------------------------- flags
 
 
@@ -499,6 +368,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="trace steps 3-5 with torch.profiler (fasttorch.profiled) into DIR",
     )
     p.add_argument(
+        "--tensorboard",
+        default=None,
+        metavar="DIR",
+        help="also write the logged metrics as TensorBoard event files into DIR",
+    )
+    p.add_argument(
         "--out", default="runs/charlm", metavar="DIR", help="loss.svg and summary.json go here"
     )
     p.add_argument(
@@ -531,6 +406,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 # --------------------------------------------------------------------------- main
+
+
+def _finite_or_none(x: Any) -> Any:
+    """``x`` with NaN/inf floats as ``None``: checkpoint data is strict JSON (a diverged
+    run's losses must not stop it from saving)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite_or_none(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite_or_none(v) for v in x]
+    return x
+
+
+def _none_as_nan(x: Any) -> Any:
+    """The inverse of :func:`_finite_or_none` for a loaded history."""
+    if x is None:
+        return math.nan
+    if isinstance(x, dict):
+        return {k: _none_as_nan(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_none_as_nan(v) for v in x]
+    return x
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -594,8 +492,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         path = checkpoint.latest(args.ckpt_dir)
         if path is not None:
             state, data = checkpoint.load(path, state, inplace=True)
-            train_batches.gen.set_state(torch.tensor(data["batches"], dtype=torch.uint8))
-            history = data["history"]
+            train_batches.gen.set_state(from_json(data["batches"]))
+            history = _none_as_nan(data["history"])
             start = resumed_from = int(state.step)
             if start != data["step"]:
                 raise SystemExit(f"{path}: state step {start} != data position {data['step']}")
@@ -635,9 +533,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"(uniform: {math.log(len(vocab)):.4f})"
         )
 
-    bar = None
+    bar = tb = None
     if rank == 0:
         bar = Bar(args.steps, precision=args.precision, start=start, compiles=compile)
+        if args.tensorboard is not None:
+            tb = TensorBoardWriter(args.tensorboard)  # fasttorch.loop's Logger sink
+            if start == 0:
+                tb(0, {"eval": {n.replace(" ", "_"): history[n][0][1] for n in evals}})
     log_due, eval_due = every(args.log_every), every(args.eval_every or args.steps + 1)
     ckpt_due = every(args.ckpt_every or args.steps + 1)
     pending: checkpoint.SaveHandle | None = None
@@ -665,6 +567,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             history["train"].append([done, mean_loss])
             if bar is not None:
                 bar.show(done, {**metrics, "mean": mean_loss}, compile_s if first else None)
+            if tb is not None:  # read here, on a log step, like the line above
+                tb(done, {"train": {**metrics, "loss_avg": mean_loss}})
             window_loss.zero_()
             window_skipped.zero_()
             last_log = done
@@ -673,6 +577,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             values = {name: held_out(fn, state, val_set, world) for name, fn in evals.items()}
             for name, value in values.items():
                 history[name].append([done, value])
+            if tb is not None:
+                tb(done, {"eval": {n.replace(" ", "_"): v for n, v in values.items()}})
             dt = time.perf_counter() - t0
             eval_s += dt
             if bar is not None:
@@ -683,12 +589,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             # Collective under torchrun (every rank calls it); the state is copied to CPU
             # memory first, then written in a background thread while training goes on.
             t0 = time.perf_counter()
-            # data= is JSON: the generator's state as a list of its bytes.
-            position = {"batches": train_batches.gen.get_state().tolist(), "step": done}
+            # JSON values only (a checkpoint's data is never unpickled): the
+            # generator's state tensor goes in as a list by fasttorch.data.to_json.
+            position = {"batches": to_json(train_batches.gen.get_state()), "step": done}
             pending = checkpoint.async_save(
                 args.ckpt_dir,
                 state,
-                data={**position, "history": history},
+                data={**position, "history": _finite_or_none(history)},
                 keep_last=args.ckpt_keep,
             )
             dt = time.perf_counter() - t0
@@ -698,6 +605,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     t_end = time.perf_counter()
     if bar is not None:
         bar.close()
+    if tb is not None:
+        tb.close()
     if prof is not None:
         prof.stop()  # writes the window being recorded if the run was shorter than it
     saved = str(pending.wait()) if pending is not None else None  # the last save completes
@@ -755,7 +664,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         curves = {"train (mean per log window)": history["train"]}
         curves.update({name: history[name] for name in evals})
         title = f"char-level GPT on the stdlib, {n_params / 1e6:.2f}M params, {args.precision}"
-        (out / "loss.svg").write_text(loss_svg(curves, args.steps, title))
+        (out / "loss.svg").write_text(loss_svg(curves, args.steps, title, "loss (nats per byte)"))
         (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         say(f"wrote {out / 'loss.svg'} and {out / 'summary.json'}")
     if world > 1:

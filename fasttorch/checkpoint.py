@@ -770,7 +770,9 @@ def save(
     Args:
         directory: where checkpoints live (created if needed; shared by all ranks).
         state: a live ``TrainState``; it is read, not changed.
-        data: your position in the data, returned by :func:`load` on the same rank.
+        data: your position in the data, returned by :func:`load` on the same rank:
+            JSON values only (dicts with ``str`` keys, lists, ``str``, ``int``, finite
+            ``float``, ``bool``, ``None``; tensors through ``fasttorch.data.to_json``).
         name: the checkpoint's directory name; default ``step_<step>`` (with
             ``_micro<k>`` inside an accumulation window). An existing checkpoint of
             that name is replaced; at every moment one of the two copies is complete

@@ -1,8 +1,9 @@
 """Input pipeline: copy the next batches to the device while the current step runs.
 
 :func:`prefetch` overlaps host-to-device copies with compute (pinned memory,
-``non_blocking=True``, a side CUDA stream); :func:`loader_defaults` gives the
-``DataLoader`` settings that keep the device fed.
+``non_blocking=True``, a side CUDA stream) and, over a resumable loader, saves its
+position for a checkpoint (:class:`Prefetcher`, :func:`to_json`);
+:func:`loader_defaults` gives the ``DataLoader`` settings that keep the device fed.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["loader_defaults", "prefetch"]
+__all__ = ["Prefetcher", "from_json", "loader_defaults", "prefetch", "to_json"]
 
 
-def prefetch(loader: Iterable[Any], device: torch.device | str, *, depth: int = 2) -> Iterator[Any]:
+def prefetch(loader: Iterable[Any], device: torch.device | str, *, depth: int = 2) -> Prefetcher:
     """Iterate over ``loader`` with its batches on ``device``, ``depth`` batches ahead.
 
     On CUDA each batch's tensors are pinned (unless the loader already pins them,
@@ -28,6 +29,13 @@ def prefetch(loader: Iterable[Any], device: torch.device | str, *, depth: int = 
     stream so its memory is not reused while the step still reads it. Elsewhere (CPU)
     the batches are moved with ``.to(device)`` and yielded as they come: there is no
     copy to overlap. Non-tensor leaves pass through.
+
+    When ``loader`` has ``state_dict()`` / ``load_state_dict()`` (torchdata's
+    ``StatefulDataLoader``, or your own iterable), so does the returned iterator: its
+    :meth:`Prefetcher.state_dict` is the loader's position *before the next batch it
+    will hand out* (not the ``depth`` batches already read ahead), made
+    JSON-serializable, for ``checkpoint.save(..., data=...)``; see
+    :class:`Prefetcher`.
 
     Equivalent to, with the copy of batch ``i + 1`` overlapping step ``i``::
 
@@ -42,7 +50,7 @@ def prefetch(loader: Iterable[Any], device: torch.device | str, *, depth: int = 
             one step with room for jitter.
 
     Returns:
-        An iterator of the batches on ``device``.
+        A :class:`Prefetcher`: an iterator of the batches on ``device``.
 
     Example:
         >>> import torch
@@ -56,50 +64,195 @@ def prefetch(loader: Iterable[Any], device: torch.device | str, *, depth: int = 
     if not isinstance(loader, Iterable):
         raise TypeError(f"prefetch: loader must be iterable, got {type(loader).__name__}")
     dev = torch.device(device)
-    if dev.type == "cuda":
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        return _cuda_prefetch(iter(loader), dev, depth)
-    return _plain(iter(loader), dev)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return Prefetcher(loader, dev, depth)
 
 
-def _plain(it: Iterator[Any], device: torch.device) -> Iterator[Any]:
-    for batch in it:
-        yield _map(lambda t: t.to(device), batch)
+class Prefetcher:
+    """The iterator :func:`prefetch` returns; resumable when its loader is.
 
+    ``state_dict()`` gives the position of the next batch this iterator will hand out,
+    as JSON-serializable values (tensors in the loader's state, such as a sampler's
+    generator state, become ``{"__tensor__": dtype, "shape": [...], "data": [...]}``),
+    so it can go in a checkpoint's ``data``. ``load_state_dict(d)`` restores it; call
+    it before the first batch is taken (on a new ``prefetch`` over a new loader). A
+    resumed run then sees exactly the batches the interrupted one would have seen.
 
-def _map(fn: Any, batch: Any) -> Any:
-    return pytree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, batch)
+    Equivalent to, without read-ahead::
 
+        position = loader.state_dict()   # before taking the next batch
+        ...
+        loader.load_state_dict(position)  # in the new process, before iterating
 
-def _cuda_prefetch(it: Iterator[Any], device: torch.device, depth: int) -> Iterator[Any]:
-    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-    queue: collections.deque[tuple[Any, torch.cuda.Event]] = collections.deque()
+    Example:
+        >>> import json
+        >>> from fasttorch.data import prefetch
+        >>> class Counter:  # any iterable with state_dict / load_state_dict
+        ...     def __init__(self): self.i = 0
+        ...     def __iter__(self): return self
+        ...     def __next__(self): self.i += 1; return self.i
+        ...     def state_dict(self): return {"i": self.i}
+        ...     def load_state_dict(self, d): self.i = d["i"]
+        >>> it = prefetch(Counter(), "cpu")
+        >>> next(it), next(it)
+        (1, 2)
+        >>> saved = json.dumps(it.state_dict())  # e.g. checkpoint.save(..., data=...)
+        >>> resumed = prefetch(Counter(), "cpu")
+        >>> resumed.load_state_dict(json.loads(saved))
+        >>> next(resumed)
+        3
+    """
 
-    def load() -> None:
-        try:
-            batch = next(it)
-        except StopIteration:
-            return
-        with torch.cuda.stream(side):
-            moved = _map(lambda t: _pinned(t).to(device, non_blocking=True), batch)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record(side)
-        queue.append((moved, done))
+    def __init__(self, loader: Iterable[Any], device: torch.device, depth: int) -> None:
+        self.loader = loader
+        self.device = device
+        self.depth = depth
+        self._stateful = callable(getattr(loader, "state_dict", None)) and callable(
+            getattr(loader, "load_state_dict", None)
+        )
+        self._it: Iterator[Any] | None = None
+        # CUDA: batches read ahead, each with its copy's event and the loader's
+        # position before it was read (what state_dict reports while it waits).
+        self._queue: collections.deque[tuple[Any, Any, Any]] = collections.deque()
+        self._side: Any = None
 
-    for _ in range(depth):
-        load()
-    while queue:
-        moved, done = queue.popleft()
-        main = torch.cuda.current_stream(device)
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> Any:
+        if self._it is None:
+            self._it = iter(self.loader)
+            if self.device.type == "cuda":
+                self._side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+                for _ in range(self.depth):
+                    self._load()
+        if self.device.type != "cuda":
+            batch = next(self._it)
+            return _map(lambda t: t.to(self.device), batch)
+        if not self._queue:
+            raise StopIteration
+        moved, done, _ = self._queue.popleft()
+        main = torch.cuda.current_stream(self.device)
         main.wait_event(done)
         for t in pytree.tree_leaves(moved):
             if isinstance(t, torch.Tensor) and t.device.type == "cuda":
                 # Allocated on the side stream, used on the main one: without this the
                 # caching allocator could hand the memory out again mid-step.
                 t.record_stream(main)
-        load()  # start the next copy before the step runs on this batch
-        yield moved
+        self._load()  # start the next copy before the step runs on this batch
+        return moved
+
+    def _load(self) -> None:
+        assert self._it is not None
+        position = self._position() if self._stateful else None
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            return
+        with torch.cuda.stream(self._side):
+            moved = _map(lambda t: _pinned(t).to(self.device, non_blocking=True), batch)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(self._side)
+        self._queue.append((moved, done, position))
+
+    def _position(self) -> Any:
+        return to_json(self.loader.state_dict(), "prefetch: the loader's state_dict()")  # type: ignore[attr-defined]
+
+    def _require_state(self, method: str) -> None:
+        if not self._stateful:
+            raise TypeError(
+                f"Prefetcher.{method}: the loader ({type(self.loader).__name__}) has no "
+                "state_dict() / load_state_dict(), so its position cannot be saved; use "
+                "torchdata.stateful_dataloader.StatefulDataLoader in place of DataLoader, "
+                "or give your iterable those two methods"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's position before the next batch handed out, JSON-serializable."""
+        self._require_state("state_dict")
+        if self._queue:
+            return {"loader": self._queue[0][2]}
+        return {"loader": self._position()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a position from :meth:`state_dict`; before the first batch is taken."""
+        self._require_state("load_state_dict")
+        if self._it is not None:
+            raise RuntimeError(
+                "Prefetcher.load_state_dict: batches were already taken from this iterator; "
+                "call it on a new prefetch(loader, device) before the first next()"
+            )
+        if not isinstance(state, dict) or "loader" not in state:
+            raise ValueError(
+                "Prefetcher.load_state_dict: expected the dict Prefetcher.state_dict() "
+                f"returns, with a 'loader' key; got {type(state).__name__}"
+            )
+        self.loader.load_state_dict(from_json(state["loader"]))  # type: ignore[attr-defined]
+
+
+def _map(fn: Any, batch: Any) -> Any:
+    return pytree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, batch)
+
+
+_TENSOR = "__tensor__"
+
+
+def to_json(obj: Any, where: str = "to_json") -> Any:
+    """``obj`` (dicts, lists, tuples, numbers, strings, ``None``, CPU tensors) as JSON values.
+
+    A tensor becomes ``{"__tensor__": "uint8", "shape": [...], "data": [...]}`` (a
+    generator state from ``torch.Generator.get_state()`` or a sampler's state);
+    tuples become lists. :func:`from_json` turns it back; nothing in it is code, so
+    reading it back executes nothing. Anything else raises ``TypeError``.
+
+    Example:
+        >>> import json, torch
+        >>> from fasttorch.data import from_json, to_json
+        >>> g = torch.Generator().manual_seed(0)
+        >>> saved = json.dumps(to_json({"gen": g.get_state(), "epoch": 2}))
+        >>> back = from_json(json.loads(saved))
+        >>> torch.equal(back["gen"], g.get_state()), back["epoch"]
+        (True, 2)
+    """
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu()
+        if t.is_complex() or t.is_quantized:
+            raise TypeError(f"{where}: cannot store a {t.dtype} tensor as JSON")
+        return {
+            _TENSOR: str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "data": t.flatten().tolist(),
+        }
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise TypeError(f"{where}: JSON keys must be strings, got {k!r}")
+            out[k] = to_json(v, f"{where}[{k!r}]")
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [to_json(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    raise TypeError(
+        f"{where}: a {type(obj).__name__} cannot be stored as JSON; a data position may "
+        "hold dicts, lists, numbers, strings, None and CPU tensors"
+    )
+
+
+def from_json(obj: Any) -> Any:
+    """Undo :func:`to_json`: ``{"__tensor__": ...}`` entries become tensors again."""
+    if isinstance(obj, list):
+        return [from_json(v) for v in obj]
+    if isinstance(obj, dict):
+        if _TENSOR in obj:
+            dtype = getattr(torch, str(obj[_TENSOR]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"from_json: unknown tensor dtype {obj[_TENSOR]!r}")
+            return torch.tensor(obj["data"], dtype=dtype).reshape(obj["shape"])
+        return {k: from_json(v) for k, v in obj.items()}
+    return obj
 
 
 def _pinned(t: torch.Tensor) -> torch.Tensor:

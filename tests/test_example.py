@@ -63,6 +63,8 @@ OPTIONAL = {"device", "torch", "resumed_from", "val_loss_ema", "checkpoint"}
 
 @pytest.fixture(scope="module")
 def example() -> ModuleType:
+    if str(EXAMPLE.parent) not in sys.path:  # as `python examples/train_charlm.py` has it
+        sys.path.insert(0, str(EXAMPLE.parent))
     spec = importlib.util.spec_from_file_location("train_charlm", EXAMPLE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -215,3 +217,21 @@ def test_batch_must_split_into_microbatches(example: ModuleType) -> None:
 def test_resume_needs_a_checkpoint_dir(example: ModuleType) -> None:
     with pytest.raises(SystemExit):
         example.main([*TINY, "--resume"])
+
+
+def test_tensorboard_event_file(example: ModuleType, tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    summary = example.main(
+        [*TINY, "--steps", "20", "--tensorboard", str(tmp_path / "tb"), "--out", str(tmp_path)]
+    )
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/loss_avg", "train/lr", "train/grad_norm"} <= tags
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 10, 20]  # the log steps
+    assert acc.Scalars("train/loss")[-1].value == pytest.approx(summary["final_loss"], rel=1e-6)
+    held_out = acc.Scalars("eval/held-out")
+    assert [e.step for e in held_out] == [0, 20]
+    assert held_out[-1].value == pytest.approx(summary["val_loss"], rel=1e-6)  # float32 file

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import csv
 import io
+import json
+import math
 
 import pytest
 import torch
 from reference import LayerNormNet, batches, mse
 
 import fasttorch
-from fasttorch.loop import EarlyStopping, Logger, Progress, every, memory_bytes, until
+from fasttorch.loop import (
+    CSVWriter,
+    EarlyStopping,
+    JSONLWriter,
+    Logger,
+    Progress,
+    TensorBoardWriter,
+    every,
+    memory_bytes,
+    until,
+)
+from fasttorch.testing import forbid_host_sync
 
 
 class FakeClock:
@@ -138,3 +152,94 @@ def test_memory_is_the_process_rss_on_cpu():
     big = torch.ones(32 * 2**20 // 4)  # 32 MiB
     assert memory_bytes("cpu") > 32 * 2**20
     del big
+
+
+def _train_and_log(monkeypatch, sinks, steps=7, k=3):
+    """A training loop with a Logger over ``sinks``; checks the host reads happen only
+    on logging steps, and returns what the Logger handed out."""
+    torch.manual_seed(0)
+    state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.sgd(0.1))
+    step = fasttorch.step(mse)
+    log = Logger(k, sink=sinks)
+    reads = CountingTensor(monkeypatch)
+    handed = []
+    for i, b in zip(until(steps), batches(steps, 8)):
+        state, m = step(state, b)
+        before = reads.n
+        if every(k)(i):
+            handed.append((i, log(i, m)))
+        else:
+            with forbid_host_sync():  # item / tolist / bool raise here
+                assert log(i, m) is None
+        assert (reads.n > before) == every(k)(i), i  # float() only on logging steps
+    return handed
+
+
+def test_tensorboard_writer_reads_only_at_log_steps_and_tensorboard_reads_it_back(
+    monkeypatch, tmp_path
+):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with TensorBoardWriter(tmp_path / "tb", prefix="train/") as tb:
+        handed = _train_and_log(monkeypatch, tb)
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    names = {"train/loss", "train/grad_norm", "train/lr", "train/loss_avg"}
+    assert set(acc.Tags()["scalars"]) == names
+    for name in names:
+        events = acc.Scalars(name)
+        assert [e.step for e in events] == [2, 5]
+        for e, (_, m) in zip(events, handed):
+            # Event files store float32: equal after rounding the float64 to float32.
+            assert e.value == torch.tensor(m[name.removeprefix("train/")]).float().item()
+
+
+def test_tensorboard_writer_says_how_to_install_it(monkeypatch, tmp_path):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_tensorboard(name, *args, **kwargs):
+        if name == "torch.utils.tensorboard":
+            raise ImportError("No module named 'tensorboard'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tensorboard)
+    with pytest.raises(ImportError, match=r"pip install 'fasttorch\[tensorboard\]'"):
+        TensorBoardWriter(tmp_path)
+
+
+def test_csv_and_jsonl_writers_read_back_and_append_on_resume(monkeypatch, tmp_path):
+    csv_path, jsonl_path = tmp_path / "m" / "metrics.csv", tmp_path / "m" / "metrics.jsonl"
+    with CSVWriter(csv_path) as c, JSONLWriter(jsonl_path) as j:
+        handed = _train_and_log(monkeypatch, [c, j])
+    with CSVWriter(csv_path) as c, JSONLWriter(jsonl_path) as j:  # a resumed run appends
+        c(8, {"loss": 0.25, "lr": math.inf})
+        j(8, {"loss": 0.25, "eval": {"loss": math.nan}})
+    rows = list(csv.DictReader(csv_path.open()))
+    assert [r["step"] for r in rows] == ["2", "5", "8"]  # one header
+    for r, (_, m) in zip(rows, handed):
+        assert {k: float(v) for k, v in r.items() if k != "step"} == m  # repr: exact floats
+    assert rows[2]["loss"] == "0.25" and rows[2]["lr"] == "inf" and rows[2]["grad_norm"] == ""
+    lines = [json.loads(line) for line in jsonl_path.open()]
+    assert [line.pop("step") for line in lines] == [2, 5, 8]
+    assert lines[:2] == [m for _, m in handed]
+    assert lines[2]["loss"] == 0.25 and math.isnan(lines[2]["eval/loss"])
+
+
+def test_csv_writer_refuses_a_metric_outside_its_columns(tmp_path):
+    with CSVWriter(tmp_path / "a.csv") as c:
+        c(0, {"loss": 1.0})
+        with pytest.raises(ValueError, match=r"metrics \['acc'\] are not among .*JSONLWriter"):
+            c(1, {"loss": 1.0, "acc": 0.5})
+    with pytest.raises(ValueError, match=r"has columns \['loss'\], not the columns= given"):
+        CSVWriter(tmp_path / "a.csv", columns=["acc"])
+    with CSVWriter(tmp_path / "b.csv", columns=["loss", "acc"]) as c:
+        c(0, {"acc": 0.5})
+    assert (tmp_path / "b.csv").read_text().splitlines() == ["step,loss,acc", "0,,0.5"]
+
+
+def test_logger_checks_its_sinks():
+    with pytest.raises(TypeError, match="each sink must be callable .* got int"):
+        Logger(1, sink=[print, 3])

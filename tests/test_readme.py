@@ -68,3 +68,11 @@ def test_quick_start_runs_as_written(tmp_path):
     out = proc.stdout
     losses = [float(line.split()[1]) for line in out.splitlines() if line]
     assert len(losses) == 5 and losses[-1] < losses[0] / 2
+
+
+def test_the_examples_readme_gives_the_same_main_command():
+    main = re.findall(r"```bash\n(.*?)\n```", README, re.S)[0]
+    examples = (ROOT / "examples" / "README.md").read_text()
+    assert f"```bash\n{main}\n```" in examples
+    first_screen = "\n".join(README.splitlines()[:30])  # what a newcomer sees first
+    assert main in first_screen and "runs/charlm/loss.svg" in README

@@ -1,4 +1,4 @@
-"""``profiled``: a few steps under ``torch.profiler``, traces written for TensorBoard."""
+"""``profiled``: a few steps under ``torch.profiler``, traces for Perfetto, HTA or TensorBoard."""
 
 from __future__ import annotations
 
@@ -78,9 +78,11 @@ def profiled(
     ignored, ``warmup`` traced and thrown away, ``active`` recorded, the cycle done
     ``repeat`` times (``0``: until :meth:`Profiled.stop`). Each recorded window is
     written by ``torch.profiler.tensorboard_trace_handler(dir)`` as
-    ``<host>_<pid>.<time>.pt.trace.json``, which TensorBoard's profiler plugin
-    (``pip install torch-tb-profiler``; ``tensorboard --logdir dir``) and Perfetto
-    (ui.perfetto.dev) open. The profiler stops by itself after the schedule.
+    ``<host>_<pid>.<time>.pt.trace.json``. Read it first in Perfetto (ui.perfetto.dev:
+    open the file, nothing is uploaded), and for GPU runs with Holistic Trace Analysis;
+    TensorBoard's profiler plugin (``torch-tb-profiler``, the ``profile`` extra) opens
+    it too but is deprecated upstream. docs/profiling.md shows each. The profiler stops
+    by itself after the schedule.
 
     It wraps the whole call, so it accepts any ``(state, batch)`` callable, a compiled
     step included: write ``profiled(compiled(step))``. ``compiled(profiled(step))``
