@@ -172,8 +172,9 @@ class CombinedGraphPass(CustomGraphPass):  # type: ignore[misc]
             p(graph)
 
     def uuid(self) -> Any:
-        parts = [p.uuid() if hasattr(p, "uuid") else repr(p) for p in self.passes]
-        return repr(parts)
+        """One key from the parts' keys; ``None`` (never cache) if any part has none."""
+        parts = [p.uuid() if hasattr(p, "uuid") else None for p in self.passes]
+        return None if any(u is None for u in parts) else repr(parts)
 
 
 def cpu_gemm_pass_works() -> bool:

@@ -327,3 +327,17 @@ def test_where_torch_cannot_run_the_pass_fp32_is_refused_and_auto_warns_on_cpu_o
     with pytest.warns(UserWarning, match="needs torch >= 2.13"):
         kept = _without_cpu_only_passes(opts, ({"w": torch.empty(2)},))
     assert kept["options"] == {}, "the pass and the rounding option it set are dropped"
+
+
+def test_a_combined_pass_is_cached_only_if_every_part_is():
+    """A part whose uuid is None asks inductor never to cache: the combination too."""
+    from fasttorch._compat import CombinedGraphPass
+
+    class Uncached(Theirs):
+        def uuid(self):
+            return None
+
+    mine = HalfGemmInFloat32([torch.bfloat16])
+    assert CombinedGraphPass([mine, Uncached()]).uuid() is None
+    keyed = CombinedGraphPass([mine, Theirs()]).uuid()
+    assert keyed is not None and keyed == CombinedGraphPass([mine, Theirs()]).uuid()
