@@ -177,6 +177,18 @@ class CombinedGraphPass(CustomGraphPass):  # type: ignore[misc]
         return None if any(u is None for u in parts) else repr(parts)
 
 
+def _release() -> tuple[int, ...]:
+    return tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+# Whether dynamo traces the eager gradient path (detached leaves with requires_grad_(),
+# then torch.autograd.grad) inside a graph. A release check: the only test is to compile
+# one, which cannot happen while the step itself is being traced. 2.11's dynamo refuses
+# Tensor.requires_grad_() (graph break gb0125) and 2.10's refuses torch.autograd.grad;
+# 2.12 and later trace both. Read as a constant by the gradient phase.
+AUTOGRAD_GRAD_IN_GRAPH = _release() >= (2, 12)
+
+
 def cpu_gemm_pass_works() -> bool:
     """Whether this inductor builds ``compiled``'s float32 CPU matrix-product pass right.
 
@@ -186,8 +198,7 @@ def cpu_gemm_pass_works() -> bool:
     differs from the hand-written loop by ~2e-2 (2.6e-4 on 2.15), a rounding
     difference whose cause was not found. 2.13 is the first release tested good.
     """
-    release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    return release >= (2, 13)
+    return _release() >= (2, 13)
 
 
 # --------------------------------------------------------------------------- ATen

@@ -26,7 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.func import functional_call
 
-from fasttorch import _scope, struct
+from fasttorch import _compat, _scope, struct
 from fasttorch.optim._base import computed_once, in_cpu_graph
 from fasttorch.state import TrainState
 
@@ -192,7 +192,7 @@ def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> G
     into = None if compiling else _scope.current().into
     if into is not None and direct is not None:
         return _grad_into_module(loss, state, direct, batch, mult, into)
-    if compiling:
+    if compiling and not _compat.AUTOGRAD_GRAD_IN_GRAPH:
         return _grad_functional(loss, state, batch, mult)
     params: Tensors = (
         direct
@@ -211,11 +211,13 @@ def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> G
 
 
 def _grad_functional(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> GradOut:
-    """``grad_phase`` inside a graph: ``torch.func.grad`` over the parameters.
+    """``grad_phase`` inside a graph on torch 2.10 and 2.11: ``torch.func.grad``.
 
-    Dynamo refuses ``Tensor.requires_grad_()`` (the eager path's detached leaves) on
-    torch 2.11 and ``torch.autograd.grad`` on 2.10; it traces ``torch.func.grad`` on
-    every supported release, to the same joint graph. Parameters and buffers are
+    Dynamo there refuses ``Tensor.requires_grad_()`` (the eager path's detached leaves,
+    2.11) or ``torch.autograd.grad`` (2.10); it traces ``torch.func.grad``. Later
+    releases take the eager path in the graph too (``_compat.AUTOGRAD_GRAD_IN_GRAPH``):
+    ``torch.func.grad`` does not support saved-tensor hooks, so activation checkpointing
+    under ``compiled`` needs torch 2.12 or later. Parameters and buffers are
     arguments, not captured tensors: a BatchNorm forward writes its running statistics
     into the buffers in place.
     """
