@@ -115,6 +115,7 @@ def loss_phase(loss_fn: LossFn) -> LossPhase:
         if torch.compiler.is_compiling():
             out = loss_fn(apply, batch)
         else:
+            _scope.begin()  # the forward may update buffers in place from here on
             try:
                 out = loss_fn(apply, batch)
             except Exception as e:
