@@ -31,6 +31,7 @@ from fasttorch.optim._base import computed_once, in_cpu_graph
 from fasttorch.state import TrainState
 
 __all__ = [
+    "BUFFERS_KEY",
     "GradOut",
     "IntoGrad",
     "Loss",
@@ -41,6 +42,7 @@ __all__ = [
     "describe",
     "global_norm",
     "grad_phase",
+    "keep_buffers",
     "loss_phase",
     "mark_skip",
     "module_tensors",
@@ -383,6 +385,7 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
     params, opt_state = opt.update(
         state.params, grads, state.opt_state, state.step, inplace=inplace
     )
+    buffers, substates = state.buffers, state.substates
     if g.skip is not None:
         keep = g.skip
         params, opt_state = pytree.tree_map(
@@ -390,6 +393,7 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
             (state.params, state.opt_state),
             (params, opt_state),
         )
+        buffers, substates = _restore_buffers(state, keep)
     metrics: Metrics = {
         "loss": g.value,
         "grad_norm": norm,
@@ -400,7 +404,49 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         metrics["aux"] = g.aux
     if g.skip is not None:
         metrics["skipped"] = g.skip
-    return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+    new = state.replace(
+        params=params,
+        opt_state=opt_state,
+        buffers=buffers,
+        substates=substates,
+        step=state.step + 1,
+    )
+    return new, metrics
+
+
+BUFFERS_KEY = "skip_buffers"
+"""The sub-state key of the module's buffers as they were when the window began."""
+
+
+def keep_buffers(inits: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    """``inits`` plus the buffer snapshot a transform that marks skips needs (once).
+
+    The forward updates buffers (BatchNorm's running statistics) in place before the
+    update phase learns whether to skip; a skipped update puts back the values they had
+    when the window began, which this sub-state keeps: a copy of the module's buffers
+    (not of frozen parameters), refreshed by every update.
+    """
+    if any(k == BUFFERS_KEY for k, _ in inits):
+        return inits
+    return (*inits, (BUFFERS_KEY, _snapshot_buffers))
+
+
+def _snapshot_buffers(state: TrainState) -> Tensors:
+    names = {n for n, _ in state.module.named_buffers()}
+    return {k: b.clone() for k, b in state.buffers.items() if k in names}
+
+
+def _restore_buffers(state: TrainState, skip: torch.Tensor) -> tuple[Tensors, dict[str, Any]]:
+    """Buffers as they were when the window began where ``skip``, and the next snapshot."""
+    kept: Tensors | None = state.substates.get(BUFFERS_KEY)
+    if not kept:
+        return state.buffers, state.substates
+    buffers = dict(state.buffers)
+    for k, old in kept.items():
+        buffers[k] = torch.where(skip, old, buffers[k])
+    # A copy, not the buffer itself: the next forward may update the buffer in place.
+    snapshot = {k: buffers[k].clone() for k in kept}
+    return buffers, {**state.substates, BUFFERS_KEY: snapshot}
 
 
 def unscaled_norm(g: GradOut) -> torch.Tensor:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
-
 import copy
+import math
 from collections.abc import Callable
 from typing import Any
 

@@ -15,6 +15,7 @@ from fasttorch.phases import (
     LossPhase,
     Metrics,
     Tensors,
+    keep_buffers,
     mark_skip,
     unscaled_norm,
 )
@@ -125,8 +126,8 @@ def with_amp(
     ``"bf16"`` needs nothing else. ``"fp16"`` also keeps a dynamic loss scale in
     ``state.substates["amp"]`` with ``torch.amp.GradScaler``'s defaults and options: the
     loss is multiplied by the scale before backward; if any gradient is inf/NaN the
-    update is skipped (parameters and optimizer state unchanged, a ``torch.where``, no
-    host sync) and the scale multiplied by ``backoff_factor``; after
+    update is skipped (parameters, optimizer state and buffers unchanged, a
+    ``torch.where``, no host sync) and the scale multiplied by ``backoff_factor``; after
     ``growth_interval`` finite steps in a row it is multiplied by ``growth_factor``.
     Metrics gain ``loss_scale`` (the scale used this step) and ``skipped``; the sub-state
     counts skipped updates (``skipped_total``, ``skipped_in_a_row``). ``"auto"``
@@ -204,5 +205,5 @@ def with_amp(
         loss=loss,
         grad=grad,
         update=update,
-        inits=(*step.inits, (KEY, rule.init)),
+        inits=keep_buffers((*step.inits, (KEY, rule.init))),
     )
