@@ -48,6 +48,7 @@ __all__ = [
     "module_tensors",
     "reciprocal",
     "scale_grads",
+    "skip_empty_window",
     "unscaled_norm",
     "update_phase",
 ]
@@ -67,11 +68,14 @@ class Loss(struct.Record):
             Accumulation and data parallelism weight each microbatch by it, so the
             result is the mean over the whole batch whatever the microbatch sizes.
         aux: auxiliary outputs (a pytree of tensors), returned in ``metrics["aux"]``.
+        counted: set by fasttorch, not by the loss function: whether ``weight`` came
+            from it (and so may be 0), rather than from the batch's size.
     """
 
     value: torch.Tensor
     weight: Any = None
     aux: Any = None
+    counted: bool = struct.field(static=True, default=False)
 
 
 class GradOut(struct.Record):
@@ -87,6 +91,8 @@ class GradOut(struct.Record):
         scale: the loss scale the gradients still carry, or ``None`` once unscaled.
         norm: global L2 norm of the true (unscaled, unclipped) gradients, once known.
         skip: a bool tensor: when true the update is not applied (non-finite grads).
+        counted: the loss function gave ``weight`` (see :class:`Loss`), so a window's
+            total weight may be 0.
     """
 
     grads: Tensors
@@ -96,6 +102,7 @@ class GradOut(struct.Record):
     scale: torch.Tensor | None = None
     norm: torch.Tensor | None = None
     skip: torch.Tensor | None = None
+    counted: bool = struct.field(static=True, default=False)
 
 
 LossFn: TypeAlias = Callable[[Callable[..., Any], Batch], Any]
@@ -154,7 +161,7 @@ def as_loss(out: Any, batch: Batch, name: str) -> Loss:
     weight = loss.weight if loss.weight is not None else batch_size(batch)
     if not isinstance(weight, torch.Tensor):
         weight = constant(float(weight), device=v.device)
-    return Loss(v, weight.to(torch.float32), loss.aux)
+    return Loss(v, weight.to(torch.float32), loss.aux, counted=loss.weight is not None)
 
 
 _CONSTANTS: dict[tuple[float, torch.dtype, torch.device, bool], torch.Tensor] = {}
@@ -207,7 +214,11 @@ def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> G
         )
     aux = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out.aux)
     return GradOut(
-        grads=dict(zip(params, grads)), value=out.value.detach(), weight=out.weight, aux=aux
+        grads=dict(zip(params, grads)),
+        value=out.value.detach(),
+        weight=out.weight,
+        aux=aux,
+        counted=out.counted,
     )
 
 
@@ -257,7 +268,9 @@ def _grad_into_module(
         inputs = _backward_inputs(params, state.module, v, batch)
         torch.autograd.backward(v, grad_tensors=seed, inputs=inputs)
     aux = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out.aux)
-    return GradOut(grads={}, value=out.value.detach(), weight=out.weight, aux=aux)
+    return GradOut(
+        grads={}, value=out.value.detach(), weight=out.weight, aux=aux, counted=out.counted
+    )
 
 
 # Per module: whether the first loss graph checked reached no leaf but its parameters.
@@ -464,6 +477,16 @@ def unscaled_norm(g: GradOut) -> torch.Tensor:
 def mark_skip(g: GradOut, skip: torch.Tensor) -> GradOut:
     """``g`` with its update also skipped where ``skip`` (a bool tensor) is true."""
     return g.replace(skip=skip if g.skip is None else g.skip | skip)
+
+
+def skip_empty_window(g: GradOut) -> GradOut:
+    """``g``, a window's mean gradient, skipped when its total weight is 0.
+
+    Only when the loss function gave the weights (``g.counted``): a weight taken from
+    the batch's size is never 0, and a window that cannot be empty pays nothing. An
+    empty window's mean is 0/0; the update is skipped instead (a ``torch.where``).
+    """
+    return mark_skip(g, g.weight == 0) if g.counted else g
 
 
 def reciprocal(scale: torch.Tensor) -> torch.Tensor:

@@ -184,3 +184,59 @@ def test_a_loss_function_with_the_wrong_signature_is_refused_at_step_time():
     fasttorch.step(lambda apply, batch, scale=1.0: mse(apply, batch) * scale)
     fasttorch.step(lambda *args: mse(*args))
     fasttorch.step(torch.nn.functional.mse_loss)  # a builtin-backed callable
+
+
+# --------------------------------------------------------------------------- empty windows
+
+
+def masked(apply, batch):
+    """A token loss: the mean over the rows the mask keeps (none: weight 0)."""
+    x, y, mask = batch
+    per_row = ((apply(x) - y) ** 2).mean(-1)
+    count = mask.sum()
+    return fasttorch.Loss((per_row * mask).sum() / count.clamp(min=1), weight=count)
+
+
+def _masked_batch(keep: float, seed: int = 0):
+    x, y = batches(1, 8, seed=seed)[0]
+    return x, y, torch.full((8,), keep)
+
+
+@pytest.mark.parametrize("across", [False, True])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_window_with_total_weight_zero_skips_its_update(mode, across):
+    step = fasttorch.grad_accumulate(fasttorch.step(masked), 2, across_calls=across)
+    if mode == "compiled":
+        step = fasttorch.compiled(step, backend="aot_eager")
+    state = fasttorch.TrainState.create(nn.Linear(8, 4), fasttorch.optim.adamw(0.1))
+    calls = 2 if across else 1
+    for _ in range(calls):
+        state, m = step(state, _masked_batch(1.0))
+    assert not bool(m["skipped"])
+    before = _leaves((state.params, state.opt_state))
+    for _ in range(calls):
+        state, m = step(state, _masked_batch(0.0, seed=1))  # every row masked out
+    assert bool(m["skipped"])
+    after = torch.utils._pytree.tree_leaves((state.params, state.opt_state))
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # no NaN, no decay
+    assert int(state.step) == 2  # the step counter advances, as for any skip
+    for _ in range(calls):
+        state, m = step(state, _masked_batch(1.0, seed=2))
+    assert not bool(m["skipped"]) and int(state.opt_state.count) == 2
+
+
+def test_a_counted_window_that_is_not_empty_gives_the_same_bits():
+    def counted(apply, batch):
+        x, y = batch
+        return fasttorch.Loss(mse(apply, batch), weight=torch.tensor(float(len(x))))
+
+    results = []
+    for loss_fn in (mse, counted):
+        torch.manual_seed(0)
+        state = fasttorch.TrainState.create(nn.Linear(8, 4), fasttorch.optim.adamw(0.1))
+        step = fasttorch.grad_accumulate(fasttorch.step(loss_fn), 2)
+        for b in batches(3, 8):
+            state, _ = step(state, b)
+        results.append(state)
+    for k in results[0].params:
+        assert torch.equal(results[0].params[k], results[1].params[k]), k

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fasttorch import _compat
-from fasttorch.phases import GradOut, Loss, Tensors
+from fasttorch.phases import GradOut, Loss, Tensors, skip_empty_window
 
 __all__ = ["DistributedStepError", "SyncConfig", "WindowReduction"]
 
@@ -207,13 +207,15 @@ class WindowReduction:
                 flat.div_(denom)
         # Views into the bucket buffers: the update phase owns them until the next window.
         grads = {name: self.slots[name] for name in self.params}
-        return GradOut(
+        window = GradOut(
             grads=grads,
             value=(value / total).to(g.value.dtype),
             weight=total.to(torch.float32),
             aux=g.aux,
             scale=g.scale,
+            counted=g.counted,
         )
+        return skip_empty_window(window)
 
     def _wait(self, work: Any, timeout: datetime.timedelta, what: str) -> None:
         try:
