@@ -104,7 +104,7 @@ class _Floor:
     """The call hook that warns once when the loss scale has reached ``min_scale``.
 
     Host-side, outside any graph, and one call late as ``skip_nonfinite``'s limit: on a
-    CPU the scale is read directly; elsewhere from a non-blocking copy started when the
+    CPU the scale's memory is read directly; elsewhere from a non-blocking copy started when the
     previous call returned, read only once it has landed. No step waits on the device.
     """
 
@@ -130,7 +130,9 @@ class _Floor:
         if self.warned or KEY not in state.substates:
             return
         if state.device.type == "cpu":
-            seen = [float(state.substates[KEY].scale)]
+            # Its memory, read directly: on a CPU nothing runs behind the host's back,
+            # and no operator (a scalar read) is dispatched on every call.
+            seen = [float(state.substates[KEY].scale.detach().numpy())]
         else:
             if self.last is None or self.last() is not state:
                 self.queue.clear()  # copies of another state's scale
