@@ -147,7 +147,8 @@ class Step:
     Build one with :func:`step`, change it with the transforms. Calling it checks its
     inputs, adds missing transform sub-states (``init``), then runs ``runner``. With
     ``donate=True`` (the default) the input state's tensors are updated in place and
-    the input state may not be used again.
+    the input state may not be used again, also when the call raises once its phases
+    have begun (part of the results may be written: docs/concepts.md, "Donation").
     """
 
     loss: LossPhase
@@ -239,8 +240,13 @@ def step(loss_fn: LossFn, *, donate: bool = True) -> Step:
     Args:
         loss_fn: ``(apply, batch) -> loss | (loss, aux) | Loss``.
         donate: update the input state's tensors in place (memory 1x) and mark it
-            dead, as ``jax.jit(donate_argnums=0)``. ``False`` leaves every input state
-            untouched and usable (copying semantics, for tests and comparisons).
+            dead, as ``jax.jit(donate_argnums=0)``, also when the call fails part-way.
+            ``False`` leaves every input state untouched and usable, whether the call
+            returns or raises (copying semantics, for tests and comparisons).
+
+    Raises:
+        TypeError: ``loss_fn`` is not callable, or cannot be called as
+            ``loss_fn(apply, batch)`` (checked here when its signature can be read).
 
     Example:
         >>> import torch, fasttorch
