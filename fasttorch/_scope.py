@@ -14,18 +14,38 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["CallScope", "current", "scope"]
+__all__ = ["CallScope", "Progress", "begin", "current", "scope"]
 
 
 @dataclasses.dataclass(frozen=True)
 class CallScope:
     """``in_place``: the call donates its state, so phases may update its tensors in place.
     ``into``: an eager accumulation window whose backward adds into the module's ``.grad``
-    (a :class:`fasttorch.phases.IntoGrad`), or ``None``.
+    (a :class:`fasttorch.phases.IntoGrad`), or ``None``. ``progress``: the driver's
+    :class:`Progress` of the call.
     """
 
     in_place: bool = False
     into: Any = None
+    progress: Progress | None = None
+
+
+class Progress:
+    """Whether the running call has begun its phases (``began``), set outside any graph.
+
+    The driver marks a donated input state dead when a call fails after that point:
+    from then on part of the results may already be in its tensors. Validation that
+    fails earlier (a batch that cannot be split) leaves it usable.
+    """
+
+    began: bool = False
+
+
+def begin() -> None:
+    """Note that the running call has begun its phases (outside any graph only)."""
+    progress = _SCOPE.get().progress
+    if progress is not None:
+        progress.began = True
 
 
 _SCOPE: contextvars.ContextVar[CallScope] = contextvars.ContextVar(

@@ -31,6 +31,7 @@ from fasttorch.optim._base import computed_once, in_cpu_graph
 from fasttorch.state import TrainState
 
 __all__ = [
+    "BUFFERS_KEY",
     "GradOut",
     "IntoGrad",
     "Loss",
@@ -41,11 +42,13 @@ __all__ = [
     "describe",
     "global_norm",
     "grad_phase",
+    "keep_buffers",
     "loss_phase",
     "mark_skip",
     "module_tensors",
     "reciprocal",
     "scale_grads",
+    "skip_empty_window",
     "unscaled_norm",
     "update_phase",
 ]
@@ -65,11 +68,14 @@ class Loss(struct.Record):
             Accumulation and data parallelism weight each microbatch by it, so the
             result is the mean over the whole batch whatever the microbatch sizes.
         aux: auxiliary outputs (a pytree of tensors), returned in ``metrics["aux"]``.
+        counted: set by fasttorch, not by the loss function: whether ``weight`` came
+            from it (and so may be 0), rather than from the batch's size.
     """
 
     value: torch.Tensor
     weight: Any = None
     aux: Any = None
+    counted: bool = struct.field(static=True, default=False)
 
 
 class GradOut(struct.Record):
@@ -85,6 +91,8 @@ class GradOut(struct.Record):
         scale: the loss scale the gradients still carry, or ``None`` once unscaled.
         norm: global L2 norm of the true (unscaled, unclipped) gradients, once known.
         skip: a bool tensor: when true the update is not applied (non-finite grads).
+        counted: the loss function gave ``weight`` (see :class:`Loss`), so a window's
+            total weight may be 0.
     """
 
     grads: Tensors
@@ -94,6 +102,7 @@ class GradOut(struct.Record):
     scale: torch.Tensor | None = None
     norm: torch.Tensor | None = None
     skip: torch.Tensor | None = None
+    counted: bool = struct.field(static=True, default=False)
 
 
 LossFn: TypeAlias = Callable[[Callable[..., Any], Batch], Any]
@@ -115,6 +124,7 @@ def loss_phase(loss_fn: LossFn) -> LossPhase:
         if torch.compiler.is_compiling():
             out = loss_fn(apply, batch)
         else:
+            _scope.begin()  # the forward may update buffers in place from here on
             try:
                 out = loss_fn(apply, batch)
             except Exception as e:
@@ -151,7 +161,7 @@ def as_loss(out: Any, batch: Batch, name: str) -> Loss:
     weight = loss.weight if loss.weight is not None else batch_size(batch)
     if not isinstance(weight, torch.Tensor):
         weight = constant(float(weight), device=v.device)
-    return Loss(v, weight.to(torch.float32), loss.aux)
+    return Loss(v, weight.to(torch.float32), loss.aux, counted=loss.weight is not None)
 
 
 _CONSTANTS: dict[tuple[float, torch.dtype, torch.device, bool], torch.Tensor] = {}
@@ -206,7 +216,11 @@ def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> G
         )
     aux = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out.aux)
     return GradOut(
-        grads=dict(zip(params, grads)), value=out.value.detach(), weight=out.weight, aux=aux
+        grads=dict(zip(params, grads)),
+        value=out.value.detach(),
+        weight=out.weight,
+        aux=aux,
+        counted=out.counted,
     )
 
 
@@ -286,7 +300,9 @@ def _grad_into_module(
         inputs = _backward_inputs(params, state.module, v, batch)
         torch.autograd.backward(v, grad_tensors=seed, inputs=inputs)
     aux = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out.aux)
-    return GradOut(grads={}, value=out.value.detach(), weight=out.weight, aux=aux)
+    return GradOut(
+        grads={}, value=out.value.detach(), weight=out.weight, aux=aux, counted=out.counted
+    )
 
 
 # Per module: whether the first loss graph checked reached no leaf but its parameters.
@@ -414,6 +430,7 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
     params, opt_state = opt.update(
         state.params, grads, state.opt_state, state.step, inplace=inplace
     )
+    buffers, substates = state.buffers, state.substates
     if g.skip is not None:
         keep = g.skip
         params, opt_state = pytree.tree_map(
@@ -421,6 +438,7 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
             (state.params, state.opt_state),
             (params, opt_state),
         )
+        buffers, substates = _restore_buffers(state, keep)
     metrics: Metrics = {
         "loss": g.value,
         "grad_norm": norm,
@@ -431,7 +449,49 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         metrics["aux"] = g.aux
     if g.skip is not None:
         metrics["skipped"] = g.skip
-    return state.replace(params=params, opt_state=opt_state, step=state.step + 1), metrics
+    new = state.replace(
+        params=params,
+        opt_state=opt_state,
+        buffers=buffers,
+        substates=substates,
+        step=state.step + 1,
+    )
+    return new, metrics
+
+
+BUFFERS_KEY = "skip_buffers"
+"""The sub-state key of the module's buffers as they were when the window began."""
+
+
+def keep_buffers(inits: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    """``inits`` plus the buffer snapshot a transform that marks skips needs (once).
+
+    The forward updates buffers (BatchNorm's running statistics) in place before the
+    update phase learns whether to skip; a skipped update puts back the values they had
+    when the window began, which this sub-state keeps: a copy of the module's buffers
+    (not of frozen parameters), refreshed by every update.
+    """
+    if any(k == BUFFERS_KEY for k, _ in inits):
+        return inits
+    return (*inits, (BUFFERS_KEY, _snapshot_buffers))
+
+
+def _snapshot_buffers(state: TrainState) -> Tensors:
+    names = {n for n, _ in state.module.named_buffers()}
+    return {k: b.clone() for k, b in state.buffers.items() if k in names}
+
+
+def _restore_buffers(state: TrainState, skip: torch.Tensor) -> tuple[Tensors, dict[str, Any]]:
+    """Buffers as they were when the window began where ``skip``, and the next snapshot."""
+    kept: Tensors | None = state.substates.get(BUFFERS_KEY)
+    if not kept:
+        return state.buffers, state.substates
+    buffers = dict(state.buffers)
+    for k, old in kept.items():
+        buffers[k] = torch.where(skip, old, buffers[k])
+    # A copy, not the buffer itself: the next forward may update the buffer in place.
+    snapshot = {k: buffers[k].clone() for k in kept}
+    return buffers, {**state.substates, BUFFERS_KEY: snapshot}
 
 
 def unscaled_norm(g: GradOut) -> torch.Tensor:
@@ -449,6 +509,16 @@ def unscaled_norm(g: GradOut) -> torch.Tensor:
 def mark_skip(g: GradOut, skip: torch.Tensor) -> GradOut:
     """``g`` with its update also skipped where ``skip`` (a bool tensor) is true."""
     return g.replace(skip=skip if g.skip is None else g.skip | skip)
+
+
+def skip_empty_window(g: GradOut) -> GradOut:
+    """``g``, a window's mean gradient, skipped when its total weight is 0.
+
+    Only when the loss function gave the weights (``g.counted``): a weight taken from
+    the batch's size is never 0, and a window that cannot be empty pays nothing. An
+    empty window's mean is 0/0; the update is skipped instead (a ``torch.where``).
+    """
+    return mark_skip(g, g.weight == 0) if g.counted else g
 
 
 def reciprocal(scale: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 __all__ = ["DonatedStateError", "TrainState"]
 
 _DONATED = "_fasttorch_donated"
+_FAILED = "_fasttorch_failed"
 
 
 class DonatedStateError(RuntimeError):
@@ -170,13 +171,35 @@ class TrainState(struct.Record):
 
 
 def _raise_donated(state: TrainState) -> NoReturn:
-    where = object.__getattribute__(state, "__dict__")[_DONATED]
+    d = object.__getattribute__(state, "__dict__")
+    where = d[_DONATED]
+    failure = d.get(_FAILED)
+    if failure is not None:
+        raise DonatedStateError(
+            f"this TrainState was donated to {where}, which failed part-way ({failure}). "
+            "A donating call writes its results into the input state's tensors, and some "
+            "may already have been written when the error surfaced (a compiled kernel "
+            "that ran before the failing one, BatchNorm statistics updated by the "
+            "forward), so the state is no longer consistent and cannot be used. Continue "
+            "from the last state a call returned successfully (or a checkpoint), or build "
+            "the step with fasttorch.step(loss_fn, donate=False) to keep input states "
+            "intact when a call fails"
+        )
     raise DonatedStateError(
         f"this TrainState was donated to {where}: its tensors were updated in place "
         "and now belong to the state that call returned. Use the returned state "
         "(state, metrics = step(state, batch)), or build the step with "
         "fasttorch.step(loss_fn, donate=False) to keep input states intact"
     )
+
+
+def mark_failed(state: TrainState, by: str, error: BaseException) -> None:
+    """Mark ``state`` dead after a donating call ``by`` raised ``error`` part-way."""
+    mark_donated(state, by)
+    first = (str(error).strip().splitlines() or [""])[0]
+    if len(first) > 200:
+        first = first[:197] + "..."
+    object.__getattribute__(state, "__dict__")[_FAILED] = f"{type(error).__name__}: {first}"
 
 
 def mark_donated(state: TrainState, by: str) -> None:

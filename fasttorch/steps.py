@@ -20,6 +20,7 @@ inputs, adding sub-states, the RNG and call scope, and donation.
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any, Protocol, TypeAlias
@@ -47,7 +48,7 @@ from fasttorch.phases import (
     scale_grads,
     update_phase,
 )
-from fasttorch.state import TrainState, check_alive, mark_donated
+from fasttorch.state import TrainState, check_alive, mark_donated, mark_failed
 
 __all__ = [
     "CallHook",
@@ -119,6 +120,16 @@ def run_whole(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, 
     return full(state, batch)  # type: ignore[no-any-return]
 
 
+def _begins(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """``kernel``, noting in the call scope that the call has begun when it runs."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        _scope.begin()
+        return kernel(*args, **kwargs)
+
+    return run
+
+
 def _full(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     return apply_update(step, state, step.grad(step.loss, state, batch, 1.0))
 
@@ -136,7 +147,8 @@ class Step:
     Build one with :func:`step`, change it with the transforms. Calling it checks its
     inputs, adds missing transform sub-states (``init``), then runs ``runner``. With
     ``donate=True`` (the default) the input state's tensors are updated in place and
-    the input state may not be used again.
+    the input state may not be used again, also when the call raises once its phases
+    have begun (part of the results may be written: docs/concepts.md, "Donation").
     """
 
     loss: LossPhase
@@ -197,7 +209,10 @@ class Step:
         cache: dict[str, Callable[..., Any]] = self.__dict__.setdefault("_kernels", {})
         fn = cache.get(name)
         if fn is None:
-            fn = cache[name] = self.jit(make(), cpp_wrapper=cpp_wrapper)
+            fn = self.jit(make(), cpp_wrapper=cpp_wrapper)
+            if not self.is_eager:
+                fn = _begins(fn)
+            cache[name] = fn
         return fn
 
     def memo(self, name: str) -> dict[str, Any]:
@@ -225,8 +240,13 @@ def step(loss_fn: LossFn, *, donate: bool = True) -> Step:
     Args:
         loss_fn: ``(apply, batch) -> loss | (loss, aux) | Loss``.
         donate: update the input state's tensors in place (memory 1x) and mark it
-            dead, as ``jax.jit(donate_argnums=0)``. ``False`` leaves every input state
-            untouched and usable (copying semantics, for tests and comparisons).
+            dead, as ``jax.jit(donate_argnums=0)``, also when the call fails part-way.
+            ``False`` leaves every input state untouched and usable, whether the call
+            returns or raises (copying semantics, for tests and comparisons).
+
+    Raises:
+        TypeError: ``loss_fn`` is not callable, or cannot be called as
+            ``loss_fn(apply, batch)`` (checked here when its signature can be read).
 
     Example:
         >>> import torch, fasttorch
@@ -245,6 +265,7 @@ def step(loss_fn: LossFn, *, donate: bool = True) -> Step:
     if not callable(loss_fn):
         raise TypeError(f"fasttorch.step expects a loss function, got {type(loss_fn).__name__}")
     name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    check_signature(loss_fn, name)
     return Step(
         loss=loss_phase(loss_fn),
         grad=grad_phase,
@@ -258,11 +279,41 @@ def step(loss_fn: LossFn, *, donate: bool = True) -> Step:
 # --------------------------------------------------------------------------- checks
 
 
-def check_batch(batch: Batch, device: torch.device, api: str) -> None:
-    """Raise a clear error for batch leaves that are not tensors on ``device``."""
+def check_signature(loss_fn: Callable[..., Any], name: str) -> None:
+    """Raise if ``loss_fn`` cannot be called as ``loss_fn(apply, batch)``.
+
+    Callables whose signature ``inspect`` cannot read (some builtins) are accepted.
+    """
+    try:
+        sig = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(None, None)
+    except TypeError as e:
+        raise TypeError(
+            f"fasttorch.step: the loss function {name}{sig} cannot be called as "
+            f"{name}(apply, batch) ({e}). A loss function takes two arguments: apply, the "
+            "model's forward (call it as apply(x)), and batch, whatever one call of the "
+            "step is given; unpack the batch inside, e.g. def loss_fn(apply, batch): "
+            "x, y = batch; return torch.nn.functional.mse_loss(apply(x), y)"
+        ) from None
+
+
+def check_batch(
+    batch: Batch, device: torch.device, api: str, params: dict[str, torch.Tensor] | None = None
+) -> None:
+    """Raise a clear error for batch leaves that are not tensors on ``device``.
+
+    With ``params``, also for an empty batch (a leading dimension of 0 in its first
+    tensor, the one whose size is the default sample count) and for floating tensors
+    wider than every parameter (a float64 batch for float32 parameters). Both are
+    host-side checks of metadata: nothing is read from the device.
+    """
     leaves, _ = pytree.tree_flatten_with_path(batch)
     if not leaves:
         raise TypeError(f"{api}: the batch holds no tensors (got {describe(batch)})")
+    sized = False
     for path, x in leaves:
         where = f"batch{pytree.keystr(path)}"
         if x is None:
@@ -278,6 +329,37 @@ def check_batch(batch: Batch, device: torch.device, api: str) -> None:
                 f"{api}: {where} is on {x.device} but the state is on {device}; move "
                 "the batch to the state's device first (batch.to(device, non_blocking=True))"
             )
+        if params is None:
+            continue
+        if not sized and x.ndim > 0:
+            sized = True
+            if x.shape[0] == 0:
+                raise ValueError(
+                    f"{api}: {where} has 0 rows (the batch is {describe(batch)}): an empty "
+                    "batch would still apply an update (weight decay, momentum, the step "
+                    "count). Skip empty batches before calling the step"
+                )
+        if x.is_floating_point():
+            _check_width(x, where, params, batch, api)
+
+
+def _check_width(
+    x: torch.Tensor, where: str, params: dict[str, torch.Tensor], batch: Batch, api: str
+) -> None:
+    """Raise if floating ``x`` is wider than every parameter (one comparison as a rule)."""
+    first = next(iter(params.values()))
+    if x.dtype.itemsize <= first.dtype.itemsize:
+        return
+    dtypes = {p.dtype for p in params.values()}
+    if x.dtype in dtypes or all(x.dtype.itemsize <= d.itemsize for d in dtypes):
+        return
+    names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+    raise ValueError(
+        f"{api}: {where} is {str(x.dtype).removeprefix('torch.')} but the parameters are "
+        f"{names} (the batch is {describe(batch)}); a batch wider than the parameters "
+        "fails inside the model (in a compiled step, as an error from generated code) or "
+        f"computes in the wider type. Convert the batch first: x.to({first.dtype})"
+    )
 
 
 def check_wrap(step: Any, transform: str) -> None:
@@ -316,7 +398,7 @@ def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metri
     for hook in step.hooks:
         hook.before(step, state)
     device = state.device
-    check_batch(batch, device, step.name)
+    check_batch(batch, device, step.name, state.params)
     given = state
     state = step.init(state)
     if not state.module.training:
@@ -324,11 +406,30 @@ def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metri
     if not step.donate:
         # BatchNorm updates running stats in place: work on copies to leave inputs intact.
         state = state.replace(buffers={k: b.clone() for k, b in state.buffers.items()})
-    with _scope.scope(in_place=step.donate), scoped_rng(state.rng, device) as rng_now:
-        new, metrics = step.runner(step, state, batch)
-        rng = rng_now()
-        if step.donate and rng.shape == state.rng.shape:
-            rng = state.rng.copy_(rng)  # the state's own tensor takes the advanced state
+    progress = _scope.Progress()
+    try:
+        with (
+            _scope.scope(in_place=step.donate, progress=progress),
+            scoped_rng(state.rng, device) as rng_now,
+        ):
+            new, metrics = step.runner(step, state, batch)
+            rng = rng_now()
+            if step.donate and rng.shape == state.rng.shape:
+                rng = state.rng.copy_(rng)  # the state's own tensor takes the advanced state
+    except BaseException as e:
+        if step.donate and progress.began:
+            # Part of the results may already be in the input state's tensors (a
+            # compiled kernel writes a counter before the one that fails; the forward
+            # updates BatchNorm statistics in place): no longer a consistent state.
+            mark_failed(given, f"step {step.name!r}", e)
+            if state is not given:
+                mark_failed(state, f"step {step.name!r}", e)
+            e.add_note(
+                f"fasttorch: the state passed to step {step.name!r} was donated and is now "
+                "unusable (DonatedStateError): continue from the last state a call returned "
+                "successfully, or build the step with donate=False to keep it intact"
+            )
+        raise
     new = new.replace(rng=rng)
     if step.donate:
         mark_donated(given, f"step {step.name!r}")

@@ -203,6 +203,40 @@ def check_missing_rank_times_out(rank):
     return error_of(step, state, rank)
 
 
+def check_empty_window(rank):
+    """Every token of both ranks masked out: the global window is empty, and skipped."""
+
+    def masked(apply, batch):
+        x, y, mask = batch
+        per_row = ((apply(x) - y) ** 2).mean(-1)
+        count = mask.sum()
+        return fasttorch.Loss((per_row * mask).sum() / count.clamp(min=1), weight=count)
+
+    step = sync_on_last(fasttorch.step(masked), timeout=datetime.timedelta(seconds=20))
+    state = replicate(new_state())
+    x, y = shard(global_batches(1)[0], rank)
+    state, _ = step(state, (x, y, torch.ones(len(x))))
+    before = [t.clone() for t in torch.utils._pytree.tree_leaves((state.params, state.opt_state))]
+    # Rank 0 keeps no token and rank 1 none either: nothing to average.
+    state, m = step(state, (x, y, torch.zeros(len(x))))
+    after = torch.utils._pytree.tree_leaves((state.params, state.opt_state))
+    return {
+        "skipped": bool(m["skipped"]),
+        "unchanged": all(torch.equal(a, b) for a, b in zip(before, after)),
+    }
+
+
+def check_dead_peer(rank):
+    """Rank 1 dies while rank 0 waits in a step: rank 0 says a collective failed."""
+    if rank == 1:
+        time.sleep(1.0)  # rank 0 is inside the step by now, waiting for rank 1
+        return EXIT
+    step = sync_on_last(fasttorch.step(mse), timeout=datetime.timedelta(seconds=30))
+    return error_of(step, new_state(), rank)
+
+
+EXIT = {"exit": True}  # the rank writes its results and exits at once
+
 CHECKS = {
     "within_eager": lambda r: check_equals_single_process(r, False, "eager"),
     "across_eager": lambda r: check_equals_single_process(r, True, "eager"),
@@ -212,7 +246,9 @@ CHECKS = {
     "rng": check_replicate_rng,
     "compiled": check_no_recompiles_compiled,
     "disagree": check_disagreeing_microbatches,
-    "timeout": check_missing_rank_times_out,  # last: it leaves the group unusable
+    "empty_window": check_empty_window,
+    "timeout": check_missing_rank_times_out,  # it leaves the group unusable
+    "dead_peer": check_dead_peer,  # last: rank 1 exits
 }
 
 
@@ -232,6 +268,8 @@ def run(rank, world, port, out_dir):
             results[name] = check(rank)
         except Exception:
             results[name] = {"exception": traceback.format_exc()}
+        if results[name] is EXIT:
+            break
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     os._exit(0)  # the timed-out group cannot be torn down cleanly

@@ -99,6 +99,20 @@ def test_a_missing_rank_is_an_error_within_the_timeout_not_a_hang(results):
     assert r0["seconds"] < 15
 
 
+def test_a_dead_peer_is_named_as_a_failed_collective_not_a_timeout(results):
+    r0 = _get(results, "dead_peer")[0]
+    assert r0["error"], r0
+    assert "failed after" in r0["error"] and "before the 30 s timeout" in r0["error"], r0
+    assert "another rank died" in r0["error"] and "The backend said" in r0["error"], r0
+    assert "did not join" not in r0["error"], r0
+    assert r0["seconds"] < 25  # it fails when rank 1 exits, not at the timeout
+
+
+def test_an_empty_global_window_is_skipped_on_every_rank(results):
+    for r in _get(results, "empty_window"):
+        assert r["skipped"] and r["unchanged"], r
+
+
 def test_torchrun_smoke():
     env = {**os.environ, "PYTHONPATH": str(HERE.parent), "OMP_NUM_THREADS": "1"}
     out = subprocess.run(

@@ -119,3 +119,76 @@ def test_counters_survive_a_checkpoint(tmp_path):
     state, _ = fresh(state, bad())  # the third in a row, counted across the resume
     with pytest.raises(NonFiniteError, match="the last 3 updates in a row"):
         fresh(state, good())
+
+
+def _bn_state():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2)
+    )
+    return fasttorch.TrainState.create(net, fasttorch.optim.adam(0.1))
+
+
+def _bn_step(guard, mode, accumulate=None, donate=True):
+    step = fasttorch.step(loss_fn, donate=donate)
+    if guard == "fp16":
+        step = fasttorch.with_amp(step, "fp16")
+    elif guard == "skip_nonfinite":
+        step = fasttorch.skip_nonfinite(step)
+    if accumulate is not None:
+        step = fasttorch.grad_accumulate(step, 2, across_calls=accumulate == "across")
+    if mode == "compiled":
+        step = fasttorch.compiled(step, backend="aot_eager")
+    return step
+
+
+def _nan_rows():
+    x, y = good(5)
+    x = x.clone()
+    x[3] = NAN  # reaches the running statistics through the forward
+    return x, y
+
+
+@pytest.mark.parametrize("accumulate", [None, "within", "across"])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("guard", ["fp16", "skip_nonfinite"])
+def test_a_skipped_update_leaves_the_buffers_as_they_were(guard, mode, accumulate):
+    step = _bn_step(guard, mode, accumulate)
+    calls = 2 if accumulate == "across" else 1
+    state = _bn_state()
+    for i in range(calls):
+        state, _ = step(state, good(i))
+    before = {k: v.clone() for k, v in state.buffers.items()}
+    # Across calls the window's first microbatch is finite and its second is not: the
+    # buffers go back to their values when the window began.
+    for batch in [good(7), _nan_rows()][-calls:]:
+        state, m = step(state, batch)
+    assert bool(m["skipped"])
+    for k, b in before.items():
+        assert torch.equal(state.buffers[k], b), k
+    for i in range(calls):  # the next finite window updates them again
+        state, m = step(state, good(10 + i))
+    assert not bool(m["skipped"]) and bool(torch.isfinite(state.buffers["1.running_mean"]).all())
+    assert not torch.equal(state.buffers["1.running_mean"], before["1.running_mean"])
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_buffers_of_applied_updates_are_the_plain_steps_bits(mode):
+    guarded, plain = _bn_step("skip_nonfinite", mode), _bn_step(None, mode)
+    a, b = _bn_state(), _bn_state()
+    for i in range(3):
+        a, _ = guarded(a, good(i))
+        b, _ = plain(b, good(i))
+    for k in b.buffers:
+        assert torch.equal(a.buffers[k], b.buffers[k]), k
+    for k in b.params:
+        assert torch.equal(a.params[k], b.params[k]), k
+
+
+def test_without_donation_a_skip_keeps_the_input_and_the_output_buffers():
+    step = _bn_step("skip_nonfinite", "eager", donate=False)
+    state, _ = step(_bn_state(), good())
+    before = {k: v.clone() for k, v in state.buffers.items()}
+    new, _ = step(state, _nan_rows())
+    for k, b in before.items():
+        assert torch.equal(state.buffers[k], b) and torch.equal(new.buffers[k], b), k

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -294,6 +295,23 @@ def test_set_hyperparams_errors() -> None:
     new = optim.set_hyperparams(state, lr=torch.tensor(0.5, dtype=torch.float64))
     assert new.hyper["lr"].dtype == torch.float32 and float(new.hyper["lr"]) == 0.5
     assert float(state.hyper["lr"]) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [math.inf, -math.inf, math.nan, torch.tensor(math.nan), torch.tensor([math.inf]), -2.0],
+    ids=["inf", "-inf", "nan", "tensor-nan", "tensor-inf", "tensor-negative"],
+)
+def test_set_hyperparams_refuses_non_finite_and_out_of_range_values(value: Any) -> None:
+    state = optim.adamw(0.1).init({"w": torch.zeros(2)})
+    if isinstance(value, float) and value == -2.0:
+        value = torch.tensor(value)  # a tensor out of range is checked too
+    with pytest.raises(ValueError, match=r"invalid lr=.*finite and satisfy lr >= 0"):
+        optim.set_hyperparams(state, lr=value)
+    with pytest.raises(ValueError, match=r"invalid eps=.*finite"):
+        optim.set_hyperparams(state, eps=value)
+    with pytest.raises(ValueError, match=r"invalid lr=inf"):
+        optim.adamw(math.inf)
 
 
 @pytest.mark.parametrize(

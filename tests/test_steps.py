@@ -133,10 +133,10 @@ def test_init_adds_substates_once_and_the_first_call_does_it_too():
     )
     s0 = _state()
     s1 = step.init(s0)
-    assert set(s1.substates) == {"amp", "grad_accumulate"} and s0.substates == {}
+    assert set(s1.substates) == {"amp", "grad_accumulate", "skip_buffers"} and s0.substates == {}
     assert step.init(s1) is s1
     s2, _ = step(_state(), batches(1, 8)[0])
-    assert set(s2.substates) == {"amp", "grad_accumulate"}
+    assert set(s2.substates) == {"amp", "grad_accumulate", "skip_buffers"}
 
 
 def test_errors_for_bad_batches():

@@ -153,3 +153,49 @@ def test_bad_arguments():
         fasttorch.with_amp(fasttorch.step(mse), "fp16", backoff_factor=2.0)
     with pytest.raises(ValueError, match="growth_interval"):
         fasttorch.with_amp(fasttorch.step(mse), "fp16", growth_interval=0)
+    with pytest.raises(ValueError, match="min_scale"):
+        fasttorch.with_amp(fasttorch.step(mse), "fp16", min_scale=0.0)
+    with pytest.raises(ValueError, match=r"min_scale=4.0 is above init_scale=2.0"):
+        fasttorch.with_amp(fasttorch.step(mse), "fp16", init_scale=2.0, min_scale=4.0)
+
+
+def _nan_batch():
+    x, y = batches(1, 8)[0]
+    return x, torch.full_like(y, float("nan"))
+
+
+def test_the_default_floor_keeps_the_scale_above_zero_and_warns_once():
+    # GradScaler's rule alone halves 2**16 to 0 after about 165 non-finite steps, and
+    # every later step is skipped silently.
+    step = fasttorch.with_amp(fasttorch.step(mse), "fp16")
+    state = _state()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(180):
+            state, _ = step(state, _nan_batch())
+    assert float(state.substates["amp"].scale) == 2.0**-24
+    said = [str(w.message) for w in caught if "floor" in str(w.message)]
+    assert len(said) == 1, said
+    assert "min_scale=5.96046e-08" in said[0] and "skip_nonfinite" in said[0]
+    state, m = step(state, batches(1, 8)[0])  # a finite batch still trains from the floor
+    assert not bool(m["skipped"]) and float(m["loss_scale"]) == 2.0**-24
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_the_scale_stops_at_min_scale_and_the_warning_comes_one_call_late(mode):
+    step = fasttorch.with_amp(fasttorch.step(mse), "fp16", init_scale=1.0, min_scale=0.25)
+    if mode == "compiled":
+        step = fasttorch.compiled(step, backend="aot_eager")
+    state = _state()
+    scales, warned = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(5):
+            state, m = step(state, _nan_batch())
+            scales.append(float(m["loss_scale"]))
+            warned.append(len([w for w in caught if "floor" in str(w.message)]))
+    assert scales == [1.0, 0.5, 0.25, 0.25, 0.25]
+    assert float(state.substates["amp"].scale) == 0.25
+    # Call 2 sets the floor; call 3 reads it before it runs and says so, once.
+    assert warned == [0, 0, 1, 1, 1]
+    assert "fell to its floor min_scale=0.25" in str(caught[-1].message)

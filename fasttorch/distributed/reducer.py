@@ -18,6 +18,7 @@ sum(x)**2``): a mismatch is an error, not silently averaged windows.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fasttorch import _compat
-from fasttorch.phases import GradOut, Loss, Tensors
+from fasttorch.phases import GradOut, Loss, Tensors, skip_empty_window
 
 __all__ = ["DistributedStepError", "SyncConfig", "WindowReduction"]
 
@@ -95,6 +96,17 @@ class SyncConfig:
 
 def _same_kind(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.device == b.device
+
+
+def _timed_out(error: BaseException, elapsed: float, timeout: datetime.timedelta) -> bool:
+    """Whether a failed wait is the timeout (a late rank) rather than a broken collective.
+
+    Backends word a timeout differently ("Timed out waiting ...", NCCL's watchdog
+    "timeout"), so the elapsed time decides when the words do not: a failure long
+    before the timeout is not one.
+    """
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text or elapsed >= 0.9 * timeout.total_seconds()
 
 
 class WindowReduction:
@@ -207,21 +219,40 @@ class WindowReduction:
                 flat.div_(denom)
         # Views into the bucket buffers: the update phase owns them until the next window.
         grads = {name: self.slots[name] for name in self.params}
-        return GradOut(
+        window = GradOut(
             grads=grads,
             value=(value / total).to(g.value.dtype),
             weight=total.to(torch.float32),
             aux=g.aux,
             scale=g.scale,
+            counted=g.counted,
         )
+        return skip_empty_window(window)
 
     def _wait(self, work: Any, timeout: datetime.timedelta, what: str) -> None:
+        start = time.monotonic()
         try:
             ok = work.wait(timeout)
         except RuntimeError as e:
-            raise DistributedStepError(self._timeout_message(what, timeout)) from e
+            elapsed = time.monotonic() - start
+            if _timed_out(e, elapsed, timeout):
+                raise DistributedStepError(self._timeout_message(what, timeout)) from e
+            raise DistributedStepError(self._failure_message(what, elapsed, e)) from e
         if ok is False:
             raise DistributedStepError(self._timeout_message(what, timeout))
+
+    def _failure_message(self, what: str, elapsed: float, error: BaseException) -> str:
+        said = " ".join(str(error).split())
+        if len(said) > 600:
+            said = said[:597] + "..."
+        return (
+            f"rank {dist.get_rank(self.config.group)}: the all-reduce of {what} failed "
+            f"after {elapsed:.1f} s, before the {self.config.timeout.total_seconds():g} s "
+            "timeout: the collective itself failed, no rank was merely late. Usually "
+            "another rank died (an exception, an out-of-memory kill: see its own log) or "
+            "its connection was lost; every rank must then restart from a checkpoint. "
+            f"The backend said: {type(error).__name__}: {said}"
+        )
 
     def _timeout_message(self, what: str, timeout: datetime.timedelta) -> str:
         return (

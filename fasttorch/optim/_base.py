@@ -102,10 +102,10 @@ def check_hyper(owner: str, name: str, value: object) -> None:
             f"{owner}: {name} must be a float, got {value!r} of type {type(value).__name__}."
         )
     ok, rule = _RANGES[name]
-    if math.isnan(value) or not ok(float(value)):
+    if not math.isfinite(value) or not ok(float(value)):
         raise ValueError(
-            f"{owner}: invalid {name}={value!r}; valid values satisfy {rule}. "
-            "Pass a value in that range."
+            f"{owner}: invalid {name}={value!r}; valid values are finite and satisfy "
+            f"{rule}. Pass a value in that range."
         )
 
 
@@ -150,15 +150,17 @@ def set_hyperparams(opt_state: OptState, **values: float | Tensor) -> OptState:
     Args:
         opt_state: the state returned by an optimizer's ``init`` or ``update``.
         **values: new values by name (``lr=1e-4``, ``weight_decay=0.0``): Python numbers
-            (range-checked) or 1-element tensors (not checked: that would sync).
+            or 1-element tensors, each checked to be finite and in range. For a tensor
+            that reads its value to the host (a sync on a GPU): acceptable here, as
+            ``set_hyperparams`` runs between steps, never inside one.
 
     Returns:
         A new :class:`OptState`; the input is unchanged.
 
     Raises:
         ValueError: for a name the state does not hold (the message lists the valid
-            ones), for "lr" when the learning rate is a schedule, or for a value out of
-            range.
+            ones), for "lr" when the learning rate is a schedule, or for a value that
+            is not finite (inf, NaN) or out of range.
 
     Example:
         >>> import torch
@@ -188,6 +190,7 @@ def set_hyperparams(opt_state: OptState, **values: float | Tensor) -> OptState:
                     f"set_hyperparams: {name} must be a number or a 1-element tensor, "
                     f"got a tensor of shape {tuple(value.shape)}."
                 )
+            check_hyper("set_hyperparams", name, float(value.detach().reshape(())))
             hyper[name] = value.detach().reshape(()).to(dtype=old.dtype, device=old.device)
         else:
             check_hyper("set_hyperparams", name, value)

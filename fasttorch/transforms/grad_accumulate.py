@@ -27,6 +27,7 @@ from fasttorch.phases import (
     Tensors,
     describe,
     module_tensors,
+    skip_empty_window,
 )
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, apply_update, check_wrap
@@ -250,8 +251,15 @@ def update_window(
         torch._foreach_div_(ts, divisor)
     else:
         ts = list(torch._foreach_div(ts, divisor))
-    window = GradOut(grads=dict(zip(sums, ts)), value=value, weight=total, aux=g.aux, scale=g.scale)
-    return apply_update(step, state, window)
+    window = GradOut(
+        grads=dict(zip(sums, ts)),
+        value=value,
+        weight=total,
+        aux=g.aux,
+        scale=g.scale,
+        counted=g.counted,
+    )
+    return apply_update(step, state, skip_empty_window(window))
 
 
 def accumulate(acc: AccumState, g: GradOut, n: int, in_place: bool) -> AccumState:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from fasttorch import struct
-from fasttorch.phases import GradOut, Metrics, mark_skip, unscaled_norm
+from fasttorch.phases import GradOut, Metrics, keep_buffers, mark_skip, unscaled_norm
 from fasttorch.state import TrainState, check_alive
 from fasttorch.steps import Step, check_wrap
 
@@ -98,8 +98,9 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 20) -> Step:
     """Skip updates whose gradients hold inf or NaN, count them, and stop after too many.
 
     Works in every precision (fp32, bf16, fp16): when the global gradient norm is not
-    finite, the update is not applied (parameters and optimizer state stay as they
-    were, a ``torch.where``, no host sync), ``state.step`` still advances, and
+    finite, the update is not applied (parameters, optimizer state and the module's
+    buffers, such as BatchNorm's running statistics, stay as they were, a
+    ``torch.where``, no host sync), ``state.step`` still advances, and
     ``state.substates["nonfinite"]`` (:class:`NonFiniteState`) counts
     ``skipped_total`` and ``skipped_in_a_row``; these are the counters the policy
     reads, whatever the precision (fp16 ``with_amp`` keeps its own too, and its skips
@@ -173,5 +174,8 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 20) -> Step:
 
     hooks = step.hooks if max_consecutive is None else (*step.hooks, _Limit(max_consecutive))
     return step.with_phases(
-        "skip_nonfinite", update=update, inits=(*step.inits, (KEY, _init)), hooks=hooks
+        "skip_nonfinite",
+        update=update,
+        inits=keep_buffers((*step.inits, (KEY, _init))),
+        hooks=hooks,
     )

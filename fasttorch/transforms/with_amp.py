@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import warnings
+import weakref
+from collections import deque
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -15,6 +18,7 @@ from fasttorch.phases import (
     LossPhase,
     Metrics,
     Tensors,
+    keep_buffers,
     mark_skip,
     unscaled_norm,
 )
@@ -48,7 +52,10 @@ class LossScaleState(struct.Record):
 
 @attrs.frozen
 class DynamicLossScale:
-    """GradScaler's rule: x backoff and skip on inf/NaN, x growth after ``interval`` good steps."""
+    """GradScaler's rule: x backoff and skip on inf/NaN, x growth after ``interval`` good steps.
+
+    Unlike GradScaler's, the backoff stops at ``min_scale``.
+    """
 
     init_scale: float = attrs.field(validator=attrs.validators.gt(0.0))
     growth_factor: float = attrs.field(validator=attrs.validators.gt(1.0))
@@ -56,6 +63,14 @@ class DynamicLossScale:
         validator=[attrs.validators.gt(0.0), attrs.validators.lt(1.0)]
     )
     growth_interval: int = attrs.field(validator=attrs.validators.ge(1))
+    min_scale: float = attrs.field(default=2.0**-24, validator=attrs.validators.gt(0.0))
+
+    def __attrs_post_init__(self) -> None:
+        if self.min_scale > self.init_scale:
+            raise ValueError(
+                f"with_amp: min_scale={self.min_scale!r} is above init_scale="
+                f"{self.init_scale!r}; the floor must be at most the initial scale"
+            )
 
     def init(self, state: TrainState) -> LossScaleState:
         zero = torch.zeros((), dtype=torch.int64, device=state.device)
@@ -73,7 +88,7 @@ class DynamicLossScale:
         grown = s.scale * self.growth_factor
         scale = torch.where(
             found_inf,
-            s.scale * self.backoff_factor,
+            torch.clamp(s.scale * self.backoff_factor, min=self.min_scale),
             torch.where(grow & torch.isfinite(grown), grown, s.scale),
         )
         tracker = torch.where(found_inf | grow, torch.zeros_like(successful), successful)
@@ -83,6 +98,62 @@ class DynamicLossScale:
             skipped_total=s.skipped_total + found_inf.long(),
             skipped_in_a_row=torch.where(found_inf, s.skipped_in_a_row + 1, 0),
         )
+
+
+class _Floor:
+    """The call hook that warns once when the loss scale has reached ``min_scale``.
+
+    Host-side, outside any graph, and one call late as ``skip_nonfinite``'s limit: on a
+    CPU the scale's memory is read directly; elsewhere from a non-blocking copy started when the
+    previous call returned, read only once it has landed. No step waits on the device.
+    """
+
+    def __init__(self, min_scale: float) -> None:
+        self.min_scale = min_scale
+        self.warned = False
+        self.last: weakref.ref[TrainState] | None = None
+        self.queue: deque[tuple[torch.Tensor, Any]] = deque()
+
+    def after(self, step: Step, new: TrainState) -> None:
+        if self.warned or new.device.type == "cpu":
+            return
+        scale = new.substates[KEY].scale
+        host = torch.empty((), dtype=scale.dtype, pin_memory=True)
+        host.copy_(scale, non_blocking=True)
+        event = torch.cuda.Event() if new.device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        if event is not None:
+            event.record()
+        self.queue.append((host, event))
+        self.last = weakref.ref(new)
+
+    def before(self, step: Step, state: TrainState) -> None:
+        if self.warned or KEY not in state.substates:
+            return
+        if state.device.type == "cpu":
+            # Its memory, read directly: on a CPU nothing runs behind the host's back,
+            # and no operator (a scalar read) is dispatched on every call.
+            seen = [float(state.substates[KEY].scale.detach().numpy())]
+        else:
+            if self.last is None or self.last() is not state:
+                self.queue.clear()  # copies of another state's scale
+            seen = []
+            while self.queue and (self.queue[0][1] is None or self.queue[0][1].query()):
+                seen.append(float(self.queue.popleft()[0]))
+        if seen and min(seen) <= self.min_scale:
+            self.warned = True
+            self.queue.clear()
+            warnings.warn(
+                f"step {step.name!r}: the fp16 loss scale fell to its floor "
+                f"min_scale={self.min_scale:g} after many non-finite gradients (each one "
+                "halves it and skips the update); it stays there, and updates whose "
+                "gradients are still inf or NaN keep being skipped. Scaling cannot fix "
+                "that: the inf/NaN comes from the forward pass or the data (an fp16 "
+                "overflow in an activation, a log/div of zero, NaN inputs). Wrap the step "
+                "in skip_nonfinite(step, max_consecutive=...) to stop with an error "
+                "instead, or try bf16",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
 
 def resolve_precision(precision: str, device_type: str) -> torch.dtype:
@@ -119,17 +190,21 @@ def with_amp(
     growth_factor: float = 2.0,
     backoff_factor: float = 0.5,
     growth_interval: int = 2000,
+    min_scale: float = 2.0**-24,
 ) -> Step:
     """Run the forward pass in ``precision`` under ``torch.autocast``.
 
     ``"bf16"`` needs nothing else. ``"fp16"`` also keeps a dynamic loss scale in
     ``state.substates["amp"]`` with ``torch.amp.GradScaler``'s defaults and options: the
     loss is multiplied by the scale before backward; if any gradient is inf/NaN the
-    update is skipped (parameters and optimizer state unchanged, a ``torch.where``, no
-    host sync) and the scale multiplied by ``backoff_factor``; after
+    update is skipped (parameters, optimizer state and buffers unchanged, a
+    ``torch.where``, no host sync) and the scale multiplied by ``backoff_factor``; after
     ``growth_interval`` finite steps in a row it is multiplied by ``growth_factor``.
     Metrics gain ``loss_scale`` (the scale used this step) and ``skipped``; the sub-state
-    counts skipped updates (``skipped_total``, ``skipped_in_a_row``). ``"auto"``
+    counts skipped updates (``skipped_total``, ``skipped_in_a_row``). Unlike
+    GradScaler's, the scale stops falling at ``min_scale``, and a ``RuntimeWarning``
+    says so once when it gets there (read on the host one call late, no sync).
+    ``"auto"``
     picks bf16 where ``device_type`` computes it natively, else fp16, and warns once
     which it chose and why.
 
@@ -149,6 +224,14 @@ def with_amp(
             available, else ``"cpu"``); the state must live on it.
         init_scale, growth_factor, backoff_factor, growth_interval: as
             ``torch.amp.GradScaler``; fp16 only.
+        min_scale: the floor of the scale (fp16 only). The default, ``2**-24`` (the
+            smallest fp16 subnormal), is 40 halvings below ``init_scale``: a gradient
+            that still overflows fp16 at that scale is over ``65504 * 2**24`` (about
+            1e12) in true value, which no trainable model produces, so non-finite
+            gradients there come from the forward pass or the data and no scale fixes
+            them. Above the floor the rule is GradScaler's, bit for bit; without one the
+            scale reaches 0 after about 165 non-finite steps and every later step is
+            skipped.
 
     Example:
         >>> import torch, fasttorch
@@ -180,7 +263,11 @@ def with_amp(
     if dtype == torch.bfloat16:
         return step.with_phases("with_amp", loss=loss)
 
-    rule = DynamicLossScale(init_scale, growth_factor, backoff_factor, growth_interval)
+    if isinstance(min_scale, bool) or not isinstance(min_scale, (int, float)):
+        raise TypeError(f"with_amp: min_scale must be a float, got {min_scale!r}")
+    rule = DynamicLossScale(
+        init_scale, growth_factor, backoff_factor, growth_interval, float(min_scale)
+    )
     inner_grad, inner_update = step.grad, step.update
 
     def grad(loss: LossPhase, state: TrainState, batch: Batch, mult: object) -> GradOut:
@@ -204,5 +291,6 @@ def with_amp(
         loss=loss,
         grad=grad,
         update=update,
-        inits=(*step.inits, (KEY, rule.init)),
+        inits=keep_buffers((*step.inits, (KEY, rule.init))),
+        hooks=(*step.hooks, _Floor(rule.min_scale)),
     )
