@@ -127,6 +127,31 @@ def test_compiled_matches_torch_compiled(name: str) -> None:
     _assert_close(state, ref, "fp32")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["AdamW", "RMSprop", "NAdam", "Rprop"])
+def test_cuda_eager_is_capturable_and_sync_free(name: str) -> None:
+    """On an accelerator the eager update is torch's capturable kernel: no sync at all."""
+    model = _model(name).cuda()
+    data = [tuple(t.cuda() for t in b) for b in batches(STEPS, 16)]
+    cls = getattr(torch.optim, name)
+    ref = copy.deepcopy(model)
+    ref_opt = cls(
+        ref.parameters(), lr=torch.tensor(LR, device="cuda"), capturable=True, **ALGOS[name]
+    )
+    for batch in data:
+        mse(ref, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    state = fasttorch.TrainState.create(
+        copy.deepcopy(model), optim.from_torch(cls, LR, **ALGOS[name])
+    )
+    step = fasttorch.step(mse)
+    state = _run(state, step, data[:1])
+    with forbid_host_sync("cuda"):
+        state = _run(state, step, data[1:])
+    _assert_close(state, ref, "fp32")
+
+
 def test_changing_lr_does_not_recompile() -> None:
     model = _model("RAdam")
     opt = optim.from_torch(torch.optim.RAdam, LR)
@@ -224,6 +249,23 @@ def test_state_round_trips_through_a_checkpoint(tmp_path: Any) -> None:
 def test_refused_algorithms_say_why(cls: Any) -> None:
     with pytest.raises(ValueError, match="not supported: it"):
         optim.from_torch(cls)
+
+
+def test_adafactor_refuses_a_compiled_step_with_its_reason() -> None:
+    state = fasttorch.TrainState.create(
+        _model("Adafactor"), optim.from_torch(torch.optim.Adafactor, LR)
+    )
+    step = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    with pytest.raises(Exception, match="reads the step count and parameter norms"):
+        step(state, batches(1, 4)[0])
+
+
+@pytest.mark.parametrize("given", ["instance", "class"])
+def test_train_state_points_torch_optim_to_from_torch(given: str) -> None:
+    model = nn.Linear(2, 1)
+    opt = torch.optim.AdamW(model.parameters()) if given == "instance" else torch.optim.AdamW
+    with pytest.raises(TypeError, match=r"from_torch\(torch.optim.AdamW"):
+        fasttorch.TrainState.create(model, opt)  # type: ignore[arg-type]
 
 
 def test_bad_arguments() -> None:

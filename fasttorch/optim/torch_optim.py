@@ -250,6 +250,13 @@ class TorchOptimizer:
         if not names:
             return {}, opt_state.replace(count=count)
         name = self.cls.__name__
+        if name == "Adafactor" and _compiling():
+            raise RuntimeError(
+                "from_torch(Adafactor) cannot run in a compiled step: torch's Adafactor "
+                "reads the step count and parameter norms with .item() in every update. "
+                "Run the step eagerly (leave out fasttorch.compiled), or pick another "
+                "algorithm."
+            )
         fn, accepted = self._kernel, self._accepted
         group = dict(self.group)
         keys = _STATE_ARGS[name]
