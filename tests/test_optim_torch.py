@@ -212,6 +212,14 @@ def test_fused_adamw_is_an_optimizer_choice() -> None:
     _assert_equal(state, ref)
 
 
+def test_fused_refuses_a_compiled_step_with_its_reason() -> None:
+    opt = optim.from_torch(torch.optim.AdamW, LR, fused=True)
+    state = fasttorch.TrainState.create(_model("AdamW"), opt)
+    step = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    with pytest.raises(Exception, match="torch.compiler.disable"):
+        step(state, batches(1, 4)[0])
+
+
 def test_schedule_as_lr() -> None:
     sched = fasttorch.schedules.warmup(2, fasttorch.schedules.cosine(0.05, 4), init=0.0)
     model = _model("NAdam")

@@ -259,6 +259,13 @@ class TorchOptimizer:
             )
         fn, accepted = self._kernel, self._accepted
         group = dict(self.group)
+        if group.get("fused") and _compiling():
+            raise RuntimeError(
+                f"from_torch({name}, fused=True) cannot run in a compiled step: torch "
+                "wraps its fused kernels in torch.compiler.disable (they are not traced). "
+                "In a compiled step leave fused out (torch's capturable kernel is traced "
+                "and fused by the compiler); keep fused=True for eager steps."
+            )
         keys = _STATE_ARGS[name]
 
         def own(t: Tensor) -> Tensor:
@@ -336,7 +343,8 @@ def from_torch(
     torch itself takes for ``torch.compile(opt.step)``; eagerly on a CPU, torch's default
     CPU path, which reads the step count and lr as Python numbers (host memory, nothing
     to wait for) and gives the same bits as ``torch.optim.X(...).step()``. ``foreach=``
-    and ``fused=`` are passed on (``fused=True``: Adam, AdamW, SGD, Adagrad).
+    and ``fused=`` are passed on (``fused=True``: Adam, AdamW, SGD, Adagrad; eager
+    steps only, as torch does not let a compiler trace its fused kernels).
     Adafactor reads parameter norms with ``.item()`` in every update (torch's code), so
     it runs eagerly but cannot be compiled with ``fullgraph=True``. Muon takes 2-D
     parameters only: give the others another optimizer with :func:`groups`.
