@@ -287,8 +287,8 @@ class TorchOptimizer:
             kwargs = {k: v for k, v in _functional_kwargs(name, group).items() if k in accepted}
             kwargs.update(self._call_flags(p, group, accepted))
             if "lr" in accepted:  # Rprop reads it only to start its step sizes (init)
-                on_device = kwargs.get("capturable") or kwargs.get("fused") or _compiling()
-                kwargs["lr"] = lr if on_device else _host(lr)
+                cpu_eager = not (kwargs.get("fused") or _compiling()) and lr.device.type == "cpu"
+                kwargs["lr"] = _host(lr) if cpu_eager else lr
             if "has_complex" in accepted:
                 kwargs["has_complex"] = False
             fn(p, g, *lists, **kwargs)
@@ -340,7 +340,9 @@ def from_torch(
 
     How torch runs it: in a compiled step, and eagerly on an accelerator, with
     ``capturable=True`` (step count and lr stay on the device; no host sync), the path
-    torch itself takes for ``torch.compile(opt.step)``; eagerly on a CPU, torch's default
+    torch itself takes for ``torch.compile(opt.step)`` (SGD, Adagrad and Muon have no
+    capturable form: eagerly on an accelerator torch reads their lr on the host, unless
+    ``fused=True``); eagerly on a CPU, torch's default
     CPU path, which reads the step count and lr as Python numbers (host memory, nothing
     to wait for) and gives the same bits as ``torch.optim.X(...).step()``. ``foreach=``
     and ``fused=`` are passed on (``fused=True``: Adam, AdamW, SGD, Adagrad; eager
