@@ -276,6 +276,13 @@ def test_train_state_points_torch_optim_to_from_torch(given: str) -> None:
         fasttorch.TrainState.create(model, opt)  # type: ignore[arg-type]
 
 
+def test_optimizer_is_hashable_static_configuration() -> None:
+    a = optim.from_torch(torch.optim.Adam, betas=[0.8, 0.9])  # type: ignore[arg-type]
+    b = optim.from_torch(torch.optim.Adam, betas=(0.8, 0.9))
+    assert a == b and hash(a) == hash(b) and dict(a.group)["betas"] == (0.8, 0.9)
+    assert a.replace(betas=[0.7, 0.9]).options == (("betas", (0.7, 0.9)),)
+
+
 def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="capturable= is chosen by fasttorch"):
         optim.from_torch(torch.optim.Adam, capturable=True)

@@ -208,9 +208,7 @@ class TorchOptimizer:
     def replace(self, **overrides: Any) -> TorchOptimizer:
         """The same algorithm with some hyperparameters replaced (for parameter groups)."""
         lr = overrides.pop("lr", self.lr)
-        return TorchOptimizer(
-            self.cls, lr, tuple(sorted({**dict(self.options), **overrides}.items()))
-        )
+        return TorchOptimizer(self.cls, lr, _options({**dict(self.options), **overrides}))
 
     def init(self, params: Mapping[str, Tensor]) -> OptState:
         """Count 0, ``lr`` as a 0-d float32 tensor, torch's fresh state per parameter."""
@@ -386,7 +384,15 @@ def from_torch(
         raise TypeError(
             f"from_torch expects a torch.optim class such as torch.optim.AdamW, got {cls!r}"
         )
-    return TorchOptimizer(cls, lr, tuple(sorted(hyperparams.items())))
+    return TorchOptimizer(cls, lr, _options(hyperparams))
+
+
+def _options(hyperparams: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """Sorted pairs, lists (``betas=[0.9, 0.99]``) as tuples: the optimizer is static
+    configuration of the state, compared and hashed by the compiler's guards."""
+    return tuple(
+        sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in hyperparams.items())
+    )
 
 
 def load_torch_state_dict(
