@@ -239,6 +239,29 @@ def test_schedule_as_lr() -> None:
     _assert_equal(state, ref)
 
 
+def test_schedule_as_lr_compiled() -> None:
+    """Against torch's compiled capturable NAdam with its tensor lr set every step."""
+    sched = fasttorch.schedules.warmup(2, fasttorch.schedules.cosine(0.05, 4), init=0.0)
+    model = _model("NAdam")
+    data = batches(STEPS, 16)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.NAdam(ref.parameters(), lr=torch.tensor(0.0), capturable=True)
+    ref_step = torch.compile(ref_opt.step, backend="aot_eager")
+    for i, batch in enumerate(data):
+        ref_opt.param_groups[0]["lr"].fill_(float(sched(torch.tensor(i))))
+        mse(ref, batch).backward()
+        ref_step()
+        ref_opt.zero_grad(set_to_none=True)
+    state = fasttorch.TrainState.create(
+        copy.deepcopy(model), optim.from_torch(torch.optim.NAdam, sched)
+    )
+    step = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    state = _run(state, step, data[:1])
+    with forbid_host_sync():
+        state = _run(state, step, data[1:])
+    _assert_close(state, ref, "fp32")
+
+
 def test_state_round_trips_through_a_checkpoint(tmp_path: Any) -> None:
     model = _model("ASGD")
     opt = optim.from_torch(torch.optim.ASGD, LR, **ALGOS["ASGD"])
