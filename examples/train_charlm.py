@@ -326,7 +326,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps // 10)")
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument(
+        "--weight-decay",
+        type=float,
+        default=0.1,
+        help="AdamW weight decay of the weight matrices (none on biases, norms, embeddings)",
+    )
     p.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
     p.add_argument(
         "--ema",
@@ -474,7 +479,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         schedules.cosine(args.lr, max(1, args.steps - warmup), end=args.min_lr),
         init=args.lr / warmup,
     )
-    optimizer = fasttorch.optim.adamw(schedule, weight_decay=args.weight_decay)
+    # nanoGPT's recipe: decay the matrices only, not biases, LayerNorms or embeddings.
+    embeddings = {
+        f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Embedding)
+    }
+    optimizer = fasttorch.optim.groups(
+        fasttorch.optim.adamw(schedule, weight_decay=args.weight_decay),
+        [(lambda name, p: p.ndim < 2 or name in embeddings, {"weight_decay": 0.0})],
+    )
     state = fasttorch.TrainState.create(model, optimizer, seed=args.seed)
     if world > 1:
         state = replicate(state)  # rank 0's weights everywhere, a dropout stream per rank

@@ -79,11 +79,22 @@ class TrainState(struct.Record):
         """
         if not isinstance(module, nn.Module):
             raise TypeError(f"TrainState.create expects an nn.Module, got {type(module).__name__}")
+        if isinstance(optimizer, torch.optim.Optimizer) or (
+            isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)
+        ):
+            name = getattr(optimizer, "__name__", type(optimizer).__name__)
+            raise TypeError(
+                f"TrainState.create expects a fasttorch optimizer, got torch.optim.{name}: "
+                "torch.optim optimizers keep hidden mutable state, which a pure step "
+                "cannot carry. Wrap the algorithm instead: "
+                f"fasttorch.optim.from_torch(torch.optim.{name}, lr=..., ...) runs torch's "
+                "own kernels with the state in the TrainState (and "
+                "fasttorch.optim.load_torch_state_dict takes over an existing one's state)"
+            )
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
             raise TypeError(
                 "TrainState.create expects a fasttorch optimizer such as "
-                f"fasttorch.optim.adamw(lr=1e-3), got {type(optimizer).__name__}; "
-                "torch.optim optimizers keep hidden mutable state and cannot be used"
+                f"fasttorch.optim.adamw(lr=1e-3), got {type(optimizer).__name__}"
             )
         params: dict[str, torch.Tensor] = {}
         buffers: dict[str, torch.Tensor] = {}

@@ -193,7 +193,8 @@ def set_hyperparams(opt_state: OptState, **values: float | Tensor) -> OptState:
             check_hyper("set_hyperparams", name, float(value.detach().reshape(())))
             hyper[name] = value.detach().reshape(()).to(dtype=old.dtype, device=old.device)
         else:
-            check_hyper("set_hyperparams", name, value)
+            # a parameter group's hyperparameter ("group0.lr") has the range of its own
+            check_hyper("set_hyperparams", name.rsplit(".", 1)[-1], value)
             hyper[name] = torch.tensor(float(value), dtype=old.dtype, device=old.device)
     return opt_state.replace(hyper=hyper)
 

@@ -1,0 +1,230 @@
+"""Parameter groups: other hyperparameters (or another optimizer) for some parameters."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+from torch import Tensor
+
+from fasttorch.optim._base import Optimizer, OptState
+
+__all__ = ["Groups", "Selector", "groups"]
+
+Selector = str | re.Pattern[str] | Callable[[str, Tensor], bool]
+"""Which parameters a group takes: a glob on the name (``"*.bias"``, ``fnmatch``), a
+compiled regular expression (``re.compile(r"blocks\\.[0-3]\\.")``, searched in the
+name), or a predicate ``(name, tensor) -> bool`` that reads names, shapes and dtypes
+(not values: it runs inside the step)."""
+
+
+def _matches(selector: Selector, name: str, tensor: Tensor) -> bool:
+    if isinstance(selector, str):
+        return fnmatch.fnmatchcase(name, selector)
+    if isinstance(selector, re.Pattern):
+        return selector.search(name) is not None
+    return bool(selector(name, tensor))
+
+
+def _derive(default: Optimizer, overrides: Mapping[str, Any] | Optimizer) -> Optimizer:
+    """``default`` with ``overrides`` applied, or ``overrides`` itself if an optimizer."""
+    if not isinstance(overrides, Mapping):
+        if not (hasattr(overrides, "init") and hasattr(overrides, "update")):
+            raise TypeError(
+                "groups: each rule is (selector, overrides) where overrides is a dict of "
+                "hyperparameters or a fasttorch optimizer, got "
+                f"{type(overrides).__name__}. Pass e.g. ('*.bias', {{'weight_decay': 0.0}})."
+            )
+        return overrides
+    replace = getattr(default, "replace", None)
+    try:
+        if callable(replace):
+            return replace(**overrides)  # type: ignore[no-any-return]
+        if attrs.has(type(default)):
+            return attrs.evolve(default, **overrides)  # type: ignore[misc]
+    except TypeError as e:
+        raise TypeError(
+            f"groups: cannot override {sorted(overrides)} on {type(default).__name__}: {e}. "
+            "Use the optimizer's own argument names (lr, weight_decay, betas, ...)."
+        ) from e
+    raise TypeError(
+        f"groups: {type(default).__name__} has no way to replace hyperparameters (neither "
+        "a replace(**overrides) method nor an attrs class); give each rule a whole "
+        "optimizer instead of a dict."
+    )
+
+
+@attrs.frozen
+class Groups:
+    """An optimizer that updates groups of parameters with their own optimizers.
+
+    Built by :func:`groups`; ``optimizers[0]`` is the default, ``optimizers[i + 1]``
+    the one of ``selectors[i]``.
+
+    Example:
+        >>> import torch
+        >>> from fasttorch import optim
+        >>> opt = Groups(("*.bias",), (optim.sgd(0.1), optim.sgd(0.01)))
+        >>> sorted(opt.init({"a.weight": torch.ones(1), "a.bias": torch.ones(1)}).hyper)
+        ['group0.lr', 'group0.weight_decay', 'lr', 'weight_decay']
+    """
+
+    selectors: tuple[Selector, ...]
+    optimizers: tuple[Optimizer, ...]
+
+    def assign(self, params: Mapping[str, Tensor]) -> dict[str, int]:
+        """Each parameter's optimizer index: the first matching rule's, else 0."""
+        out = {}
+        for name, p in params.items():
+            out[name] = next(
+                (i + 1 for i, s in enumerate(self.selectors) if _matches(s, name, p)), 0
+            )
+        return out
+
+    def _split(self, params: Mapping[str, Tensor]) -> list[list[str]]:
+        where = self.assign(params)
+        return [[n for n in params if where[n] == i] for i in range(len(self.optimizers))]
+
+    @staticmethod
+    def _prefix(i: int) -> str:
+        return "" if i == 0 else f"group{i - 1}."
+
+    def init(self, params: Mapping[str, Tensor]) -> OptState:
+        """Each group's optimizer's state, merged: hyperparameters of rule ``i`` prefixed
+        ``"group{i}."``, slots by parameter name."""
+        parts = self._split(params)
+        for i, names in enumerate(parts[1:]):
+            if not names:
+                raise ValueError(
+                    f"groups: rule {i} (selector {self.selectors[i]!r}) matches no "
+                    f"parameter that an earlier rule did not take; parameters: "
+                    f"{list(params)[:8]}{' ...' if len(params) > 8 else ''}. Fix the "
+                    "selector or drop the rule."
+                )
+        hyper: dict[str, Tensor] = {}
+        slots: dict[str, dict[str, Tensor]] = {}
+        count = None
+        for i, (opt, names) in enumerate(zip(self.optimizers, parts)):
+            sub = opt.init({n: params[n] for n in names})
+            count = sub.count if count is None else count
+            hyper.update({self._prefix(i) + k: v for k, v in sub.hyper.items()})
+            for k, v in sub.slots.items():
+                slots.setdefault(k, {}).update(v)
+        assert count is not None
+        return OptState(count=count, hyper=hyper, slots=slots)
+
+    def _sub_state(self, opt_state: OptState, i: int, names: list[str], count: Tensor) -> OptState:
+        prefix = self._prefix(i)
+        hyper = {
+            k[len(prefix) :]: v
+            for k, v in opt_state.hyper.items()
+            if (k.startswith(prefix) and "." not in k[len(prefix) :])
+        }
+        slots = {
+            k: {n: v[n] for n in names if n in v}
+            for k, v in opt_state.slots.items()
+            if any(n in v for n in names)
+        }
+        return OptState(count=count, hyper=hyper, slots=slots)
+
+    def learning_rate(self, opt_state: OptState, step: Tensor) -> Tensor:
+        """The default group's learning rate."""
+        return self.optimizers[0].learning_rate(
+            self._sub_state(opt_state, 0, [], opt_state.count), step
+        )
+
+    def update(
+        self,
+        params: Mapping[str, Tensor],
+        grads: Mapping[str, Tensor],
+        opt_state: OptState,
+        step: Tensor,
+        *,
+        inplace: bool = False,
+    ) -> tuple[dict[str, Tensor], OptState]:
+        """Each group's update on its own parameters; results in the input's key order."""
+        new_params: dict[str, Tensor] = {}
+        slots: dict[str, dict[str, Tensor]] = {}
+        for i, (opt, names) in enumerate(zip(self.optimizers, self._split(params))):
+            if not names:
+                continue
+            # In place, an optimizer may advance the count it is given: each gets a copy.
+            count = opt_state.count.clone() if inplace else opt_state.count
+            sub = self._sub_state(opt_state, i, names, count)
+            p, s = opt.update(
+                {n: params[n] for n in names},
+                {n: grads[n] for n in names},
+                sub,
+                step,
+                inplace=inplace,
+            )
+            new_params.update(p)
+            for k, v in s.slots.items():
+                slots.setdefault(k, {}).update(v)
+        count = opt_state.count.add_(1) if inplace else opt_state.count + 1
+        ordered = {n: new_params[n] for n in params}
+        return ordered, opt_state.replace(count=count, slots=slots)
+
+
+def groups(
+    default: Optimizer,
+    rules: Sequence[tuple[Selector, Mapping[str, Any] | Optimizer]],
+) -> Groups:
+    """Parameter groups: some parameters get other hyperparameters, or another optimizer.
+
+    Each rule is ``(selector, overrides)``. ``overrides`` is a dict of hyperparameters
+    applied to ``default`` (``{"weight_decay": 0.0}``, ``{"lr": 1e-5}``) or a whole
+    optimizer (Muon for matrices, AdamW for the rest). A parameter takes the **first**
+    rule whose selector matches it (so put specific rules before general ones); a
+    parameter no rule matches takes ``default``. A rule that matches no parameter is an
+    error when the state is created (a mistyped pattern). Works with fasttorch's own
+    optimizers, :func:`~fasttorch.optim.from_torch` ones and any other.
+
+    The state holds every group's hyperparameters: the default's under their own names
+    (``"lr"``), rule ``i``'s as ``"group{i}.lr"`` (``set_hyperparams(state,
+    **{"group0.lr": 1e-5})``); ``metrics["lr"]`` is the default group's.
+
+    Equivalent to ``torch.optim.AdamW([{"params": decay}, {"params": no_decay,
+    "weight_decay": 0.0}], lr=lr, weight_decay=0.1)``.
+
+    Args:
+        default: the optimizer of unmatched parameters, and the base of dict overrides.
+        rules: ``(selector, overrides)`` pairs; a selector is a glob on the name
+            (``"*.bias"``), a compiled regular expression (searched), or a predicate
+            ``(name, tensor) -> bool`` on names, shapes, dtypes.
+
+    Returns:
+        A :class:`Groups` optimizer.
+
+    Raises:
+        TypeError: an override the optimizer does not have, or a rule of another shape.
+
+    Example:
+        >>> import torch, fasttorch
+        >>> from fasttorch import optim
+        >>> opt = optim.groups(
+        ...     optim.adamw(1e-3, weight_decay=0.1),
+        ...     [(lambda name, p: p.ndim < 2, {"weight_decay": 0.0})],
+        ... )
+        >>> state = fasttorch.TrainState.create(torch.nn.Linear(3, 2), opt)
+        >>> opt.assign(state.params), float(state.opt_state.hyper["group0.weight_decay"])
+        ({'weight': 0, 'bias': 1}, 0.0)
+    """
+    if isinstance(rules, Mapping) or not all(isinstance(r, tuple) and len(r) == 2 for r in rules):
+        raise TypeError(
+            "groups: rules must be a list of (selector, overrides) pairs, got "
+            f"{rules!r}. Pass e.g. [('*.bias', {{'weight_decay': 0.0}})]."
+        )
+    for selector, _ in rules:
+        if not (isinstance(selector, (str, re.Pattern)) or callable(selector)):
+            raise TypeError(
+                f"groups: a selector is a glob string, a re.Pattern or a predicate "
+                f"(name, tensor) -> bool, got {selector!r}."
+            )
+    return Groups(
+        tuple(s for s, _ in rules),
+        (default, *(_derive(default, o) for _, o in rules)),
+    )

@@ -1,0 +1,532 @@
+"""from_torch, groups and load_torch_state_dict against torch.optim on a deep copy.
+
+Tolerance rule. Eager on a CPU, fasttorch calls the same torch kernel as
+``torch.optim.X.step()`` with the same numbers: the parameters must be equal bit for bit.
+Compiled, fasttorch runs torch's capturable kernel (the only one that keeps the step
+count on the device); its reference is torch's own optimizer with ``capturable=True``
+and a tensor lr, stepped by ``torch.compile(opt.step)``: the same kernel again, but the
+gradients come from the compiled step's backward, which may round differently from the
+eager one, so the suite's fp32 rule applies (DESIGN.md: 1e-6 relative on parameters;
+half precision: tests/test_equivalence.py's dtype tolerance).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+from typing import Any
+
+import pytest
+import torch
+from reference import LayerNormNet, assert_params_close, batches, mse, reference_run
+from torch import nn
+
+import fasttorch
+from fasttorch import optim
+from fasttorch.testing import forbid_host_sync
+
+STEPS = 6
+LR = 0.01
+# The lr a float32 hyperparameter tensor holds, as a Python number for torch's loop.
+LR32 = float(torch.tensor(LR))
+TOL = {"fp32": (1e-6, 1e-7), "bf16": (1e-4, 1e-5), "fp16": (1e-4, 1e-5)}
+FP16 = {"init_scale": 2.0**22, "growth_interval": 3}
+
+# Each algorithm with some options off their defaults.
+ALGOS: dict[str, dict[str, Any]] = {
+    "Adam": {"betas": (0.8, 0.99), "weight_decay": 0.01},
+    "AdamW": {"weight_decay": 0.1, "amsgrad": True},
+    "SGD": {"momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+    "RMSprop": {"momentum": 0.5, "centered": True},
+    "Adagrad": {"lr_decay": 0.01, "initial_accumulator_value": 0.1},
+    "Adadelta": {"rho": 0.8},
+    "Adamax": {"weight_decay": 0.01},
+    "NAdam": {"decoupled_weight_decay": True, "weight_decay": 0.01},
+    "RAdam": {},
+    "ASGD": {"t0": 3},
+    "Rprop": {"etas": (0.4, 1.1)},
+    "Adafactor": {"weight_decay": 0.01},
+    "Muon": {"momentum": 0.9},
+}
+COMPILABLE = sorted(set(ALGOS) - {"Adafactor"})  # Adafactor reads norms with .item()
+
+
+def _model(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = LayerNormNet()
+    if name == "Muon":  # Muon trains matrices only
+        for p in model.parameters():
+            p.requires_grad_(p.ndim == 2)
+    return model
+
+
+def _torch_opt(name: str, *, compiled: bool = False, **extra: Any) -> Any:
+    """make_opt for reference_run: torch.optim.X, capturable and compiled if asked."""
+    cls = getattr(torch.optim, name)
+
+    def make(params: Any) -> torch.optim.Optimizer:
+        kw = {**ALGOS[name], **extra}
+        if compiled and "capturable" in inspect.signature(cls.__init__).parameters:
+            kw["capturable"] = True
+        lr = torch.tensor(LR) if compiled else LR32
+        opt = cls([p for p in params if p.requires_grad], lr=lr, **kw)
+        if compiled:
+            opt.step = torch.compile(opt.step, backend="aot_eager")  # type: ignore[method-assign]
+        return opt
+
+    return make
+
+
+def _run(state: fasttorch.TrainState, step: Any, data: list[Any]) -> fasttorch.TrainState:
+    for batch in data:
+        state, _ = step(state, batch)
+    return state
+
+
+def _assert_close(state: fasttorch.TrainState, model: nn.Module, precision: str) -> None:
+    """The trained parameters within the suite's tolerance for ``precision``."""
+    rtol, atol = TOL[precision]
+    ref = dict(model.named_parameters())
+    for n, p in state.params.items():
+        torch.testing.assert_close(
+            p, ref[n].detach(), rtol=rtol, atol=atol, msg=lambda m, n=n: f"{n}: {m}"
+        )
+
+
+def _assert_equal(state: fasttorch.TrainState, model: nn.Module) -> None:
+    ref = dict(model.named_parameters())
+    for n, p in state.params.items():
+        assert torch.equal(p, ref[n].detach()), f"{n}: {(p - ref[n]).abs().max()}"
+
+
+@pytest.mark.parametrize("name", sorted(ALGOS))
+def test_eager_is_torch_bit_for_bit(name: str) -> None:
+    model = _model(name)
+    data = batches(STEPS, 16)
+    ref, _ = reference_run(model, [[b] for b in data], make_opt=_torch_opt(name))
+    opt = optim.from_torch(getattr(torch.optim, name), LR, **ALGOS[name])
+    state = fasttorch.TrainState.create(copy.deepcopy(model), opt)
+    state = _run(state, fasttorch.step(mse), data)
+    _assert_equal(state, ref)
+    assert int(state.opt_state.count) == STEPS
+
+
+@pytest.mark.parametrize("name", COMPILABLE)
+def test_compiled_matches_torch_compiled(name: str) -> None:
+    """fullgraph=True (compiled's default), no host sync after the first call."""
+    model = _model(name)
+    data = batches(STEPS, 16)
+    ref, _ = reference_run(model, [[b] for b in data], make_opt=_torch_opt(name, compiled=True))
+    opt = optim.from_torch(getattr(torch.optim, name), LR, **ALGOS[name])
+    state = fasttorch.TrainState.create(copy.deepcopy(model), opt)
+    step = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    state = _run(state, step, data[:1])
+    with forbid_host_sync():
+        state = _run(state, step, data[1:])
+    _assert_close(state, ref, "fp32")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["AdamW", "RMSprop", "NAdam", "Rprop"])
+def test_cuda_eager_is_capturable_and_sync_free(name: str) -> None:
+    """On an accelerator the eager update is torch's capturable kernel: no sync at all."""
+    model = _model(name).cuda()
+    data = [tuple(t.cuda() for t in b) for b in batches(STEPS, 16)]
+    cls = getattr(torch.optim, name)
+    ref = copy.deepcopy(model)
+    ref_opt = cls(
+        ref.parameters(), lr=torch.tensor(LR, device="cuda"), capturable=True, **ALGOS[name]
+    )
+    for batch in data:
+        mse(ref, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    state = fasttorch.TrainState.create(
+        copy.deepcopy(model), optim.from_torch(cls, LR, **ALGOS[name])
+    )
+    step = fasttorch.step(mse)
+    state = _run(state, step, data[:1])
+    with forbid_host_sync("cuda"):
+        state = _run(state, step, data[1:])
+    _assert_close(state, ref, "fp32")
+
+
+def test_changing_lr_does_not_recompile() -> None:
+    model = _model("RAdam")
+    opt = optim.from_torch(torch.optim.RAdam, LR)
+    state = fasttorch.TrainState.create(copy.deepcopy(model), opt)
+    step = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    data = batches(4, 16)
+    state = _run(state, step, data[:2])
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    state = state.replace(opt_state=optim.set_hyperparams(state.opt_state, lr=0.5))
+    state = _run(state, step, data[2:])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames
+    assert float(state.opt_state.hyper["lr"]) == 0.5
+
+
+def _composed(precision: str, mode: str) -> Any:
+    s = fasttorch.with_amp(fasttorch.step(mse), precision, **(FP16 if precision == "fp16" else {}))
+    s = fasttorch.clip_scaled(fasttorch.grad_accumulate(s, 2), 1.0)
+    return fasttorch.compiled(s, backend="aot_eager") if mode == "compiled" else s
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(ALGOS))
+def test_composed_with_amp_accumulation_clip(name: str, precision: str) -> None:
+    _check_composed(name, precision, "eager")
+
+
+@pytest.mark.parametrize("name, precision", [("AdamW", "fp16"), ("RMSprop", "bf16")])
+def test_composed_compiled(name: str, precision: str) -> None:
+    _check_composed(name, precision, "compiled")
+
+
+def _check_composed(name: str, precision: str, mode: str) -> None:
+    model = _model(name)
+    data = batches(STEPS, 32)
+    windows = [list(zip(x.tensor_split(2), y.tensor_split(2))) for x, y in data]
+    ref, _ = reference_run(
+        model,
+        windows,
+        make_opt=_torch_opt(name, compiled=mode == "compiled"),
+        precision=precision,
+        clip=1.0,
+        scaler_kwargs=FP16 if precision == "fp16" else None,
+    )
+    opt = optim.from_torch(getattr(torch.optim, name), LR, **ALGOS[name])
+    state = fasttorch.TrainState.create(copy.deepcopy(model), opt)
+    state = _run(state, _composed(precision, mode), data)
+    _assert_close(state, ref, precision)
+
+
+def test_fused_adamw_is_an_optimizer_choice() -> None:
+    model = _model("AdamW")
+    data = batches(STEPS, 16)
+    ref, _ = reference_run(model, [[b] for b in data], make_opt=_torch_opt("AdamW", fused=True))
+    opt = optim.from_torch(torch.optim.AdamW, LR, **ALGOS["AdamW"], fused=True)
+    state = fasttorch.TrainState.create(copy.deepcopy(model), opt)
+    with forbid_host_sync():  # the fused kernel takes the step count and lr as tensors
+        state = _run(state, fasttorch.step(mse), data)
+    _assert_equal(state, ref)
+
+
+def test_fused_refuses_a_compiled_step_with_its_reason() -> None:
+    opt = optim.from_torch(torch.optim.AdamW, LR, fused=True)
+    state = fasttorch.TrainState.create(_model("AdamW"), opt)
+    step = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    with pytest.raises(Exception, match="torch.compiler.disable"):
+        step(state, batches(1, 4)[0])
+
+
+def test_schedule_as_lr() -> None:
+    sched = fasttorch.schedules.warmup(2, fasttorch.schedules.cosine(0.05, 4), init=0.0)
+    model = _model("NAdam")
+    data = batches(STEPS, 16)
+    lrs = [float(sched(torch.tensor(i))) for i in range(STEPS)]
+    ref, _ = reference_run(
+        model,
+        [[b] for b in data],
+        make_opt=lambda ps: torch.optim.NAdam(list(ps), lr=lrs[0]),
+        lr_at=lambda i: lrs[i],
+    )
+    state = fasttorch.TrainState.create(
+        copy.deepcopy(model), optim.from_torch(torch.optim.NAdam, sched)
+    )
+    assert "lr" not in state.opt_state.hyper
+    state = _run(state, fasttorch.step(mse), data)
+    _assert_equal(state, ref)
+
+
+def test_schedule_as_lr_compiled() -> None:
+    """Against torch's compiled capturable NAdam with its tensor lr set every step."""
+    sched = fasttorch.schedules.warmup(2, fasttorch.schedules.cosine(0.05, 4), init=0.0)
+    model = _model("NAdam")
+    data = batches(STEPS, 16)
+    ref = copy.deepcopy(model)
+    ref_opt = torch.optim.NAdam(ref.parameters(), lr=torch.tensor(0.0), capturable=True)
+    ref_step = torch.compile(ref_opt.step, backend="aot_eager")
+    for i, batch in enumerate(data):
+        ref_opt.param_groups[0]["lr"].fill_(float(sched(torch.tensor(i))))
+        mse(ref, batch).backward()
+        ref_step()
+        ref_opt.zero_grad(set_to_none=True)
+    state = fasttorch.TrainState.create(
+        copy.deepcopy(model), optim.from_torch(torch.optim.NAdam, sched)
+    )
+    step = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    state = _run(state, step, data[:1])
+    with forbid_host_sync():
+        state = _run(state, step, data[1:])
+    _assert_close(state, ref, "fp32")
+
+
+def test_state_round_trips_through_a_checkpoint(tmp_path: Any) -> None:
+    model = _model("ASGD")
+    opt = optim.from_torch(torch.optim.ASGD, LR, **ALGOS["ASGD"])
+    step = fasttorch.step(mse, donate=False)
+    data = batches(4, 16)
+    state = _run(fasttorch.TrainState.create(copy.deepcopy(model), opt), step, data[:2])
+    path = fasttorch.checkpoint.save(tmp_path, state)
+    fresh = fasttorch.TrainState.create(copy.deepcopy(model), opt)
+    resumed, _ = fasttorch.checkpoint.load(path, fresh)
+    a, b = _run(state, step, data[2:]), _run(resumed, step, data[2:])
+    for x, y in zip(torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.LBFGS, torch.optim.SparseAdam])
+def test_refused_algorithms_say_why(cls: Any) -> None:
+    with pytest.raises(ValueError, match="not supported: it"):
+        optim.from_torch(cls)
+
+
+def test_adafactor_refuses_a_compiled_step_with_its_reason() -> None:
+    state = fasttorch.TrainState.create(
+        _model("Adafactor"), optim.from_torch(torch.optim.Adafactor, LR)
+    )
+    step = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    with pytest.raises(Exception, match="reads the step count and parameter norms"):
+        step(state, batches(1, 4)[0])
+
+
+@pytest.mark.parametrize("given", ["instance", "class"])
+def test_train_state_points_torch_optim_to_from_torch(given: str) -> None:
+    model = nn.Linear(2, 1)
+    opt = torch.optim.AdamW(model.parameters()) if given == "instance" else torch.optim.AdamW
+    with pytest.raises(TypeError, match=r"from_torch\(torch.optim.AdamW"):
+        fasttorch.TrainState.create(model, opt)  # type: ignore[arg-type]
+
+
+def test_optimizer_is_hashable_static_configuration() -> None:
+    a = optim.from_torch(torch.optim.Adam, betas=[0.8, 0.9])  # type: ignore[arg-type]
+    b = optim.from_torch(torch.optim.Adam, betas=(0.8, 0.9))
+    assert a == b and hash(a) == hash(b) and dict(a.group)["betas"] == (0.8, 0.9)
+    assert a.replace(betas=[0.7, 0.9]).options == (("betas", (0.7, 0.9)),)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="capturable= is chosen by fasttorch"):
+        optim.from_torch(torch.optim.Adam, capturable=True)
+    with pytest.raises(ValueError, match="dampening"):
+        optim.from_torch(torch.optim.SGD, momentum=0.9, dampening=0.1)
+    with pytest.raises(TypeError, match="torch.optim class"):
+        optim.from_torch(optim.adamw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="invalid lr=-1.0"):
+        optim.from_torch(torch.optim.Adam, -1.0)
+    with pytest.raises(ValueError, match="Invalid beta parameter"):  # torch's own check
+        optim.from_torch(torch.optim.Adam, betas=(1.5, 0.9))
+
+
+# ------------------------------------------------------------------------ groups
+
+
+def _no_decay(name: str, p: torch.Tensor) -> bool:
+    return p.ndim < 2
+
+
+def _torch_groups(params: Any, **overrides_for_hidden: Any) -> list[dict[str, Any]]:
+    """The same split in torch's param_groups form (default, no-decay, hidden)."""
+    named = [(n, p) for n, p in params]
+    no_decay = [p for n, p in named if _no_decay(n, p)]
+    hidden = [p for n, p in named if not _no_decay(n, p) and n.startswith("hidden.")]
+    rest = [p for n, p in named if not _no_decay(n, p) and not n.startswith("hidden.")]
+    return [
+        {"params": rest},
+        {"params": no_decay, "weight_decay": 0.0},
+        {"params": hidden, **overrides_for_hidden},
+    ]
+
+
+RULES: list[tuple[optim.Selector, dict[str, Any]]] = [
+    (_no_decay, {"weight_decay": 0.0}),
+    (re.compile(r"^hidden\."), {"lr": 0.002}),
+]
+
+
+def _plain_loop(model: nn.Module, data: list[Any], make_opt: Any) -> nn.Module:
+    """The fp32 loop: a deep copy of ``model`` and ``make_opt(named_parameters)``."""
+    model = copy.deepcopy(model)
+    opt = make_opt(list(model.named_parameters()))
+    for batch in data:
+        mse(model, batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+HIDDEN_LR = float(torch.tensor(0.002))
+
+
+@pytest.mark.parametrize(
+    "make, torch_cls, kw",
+    [
+        (lambda: optim.from_torch(torch.optim.AdamW, LR, weight_decay=0.1), "AdamW", {}),
+        (lambda: optim.from_torch(torch.optim.RMSprop, LR, weight_decay=0.1), "RMSprop", {}),
+        (lambda: optim.adamw(LR, weight_decay=0.1), "AdamW", {}),
+        (lambda: optim.sgd(LR, momentum=0.9, weight_decay=0.1), "SGD", {"momentum": 0.9}),
+    ],
+    ids=["from_torch_adamw", "from_torch_rmsprop", "adamw", "sgd"],
+)
+def test_groups_match_torch_param_groups(make: Any, torch_cls: str, kw: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    model = LayerNormNet()
+    data = batches(STEPS, 16)
+    ref = _plain_loop(
+        model,
+        data,
+        lambda named: getattr(torch.optim, torch_cls)(
+            _torch_groups(named, lr=HIDDEN_LR), lr=LR32, weight_decay=0.1, **kw
+        ),
+    )
+    opt = optim.groups(make(), RULES)
+    state = fasttorch.TrainState.create(copy.deepcopy(model), opt)
+    assert opt.assign(state.params) == {
+        "inp.weight": 0,
+        "inp.bias": 1,
+        "norm.weight": 1,
+        "norm.bias": 1,
+        "hidden.weight": 2,
+        "hidden.bias": 1,  # first match wins: the no-decay rule comes first
+        "out.weight": 0,
+        "out.bias": 1,
+    }
+    state = _run(state, fasttorch.step(mse), data)
+    if isinstance(opt.optimizers[0], optim.TorchOptimizer):
+        _assert_equal(state, ref)
+    else:
+        assert_params_close(state, ref, rtol=TOL["fp32"][0], atol=TOL["fp32"][1])
+
+
+def test_groups_compiled_and_group_lr_change() -> None:
+    """A group's lr changed mid-run (torch: param_groups[i]["lr"] = ...), compiled."""
+    torch.manual_seed(0)
+    model = LayerNormNet()
+    data = batches(STEPS, 16)
+    new_lr = float(torch.tensor(0.03))
+
+    def make_ref(named: Any) -> Any:
+        groups = _torch_groups(named, lr=torch.tensor(0.002))
+        opt = torch.optim.AdamW(groups, lr=torch.tensor(LR), weight_decay=0.1, capturable=True)
+        opt.step = torch.compile(opt.step, backend="aot_eager")  # type: ignore[method-assign]
+        return opt
+
+    ref = copy.deepcopy(model)
+    ref_opt = make_ref(list(ref.named_parameters()))
+    opt = optim.groups(optim.from_torch(torch.optim.AdamW, LR, weight_decay=0.1), RULES)
+    state = fasttorch.TrainState.create(copy.deepcopy(model), opt)
+    step = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    for k, batch in enumerate(data):
+        if k == 3:
+            ref_opt.param_groups[2]["lr"].fill_(new_lr)
+            state = state.replace(
+                opt_state=optim.set_hyperparams(state.opt_state, **{"group1.lr": new_lr})
+            )
+        mse(ref, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        if k == 0:  # the first call compiles
+            state, _ = step(state, batch)
+            continue
+        with forbid_host_sync():
+            state, _ = step(state, batch)
+    assert_params_close(state, ref, rtol=TOL["fp32"][0], atol=TOL["fp32"][1])
+
+
+def test_groups_with_another_optimizer_muon_and_adamw() -> None:
+    """Muon for the matrices, AdamW for the rest, as torch users pair two optimizers."""
+    torch.manual_seed(0)
+    model = LayerNormNet()
+    data = batches(STEPS, 16)
+    ref = copy.deepcopy(model)
+    mats = [p for p in ref.parameters() if p.ndim == 2]
+    rest = [p for p in ref.parameters() if p.ndim != 2]
+    ref_opts = [torch.optim.Muon(mats, lr=LR32), torch.optim.AdamW(rest, lr=LR32)]
+    for batch in data:
+        mse(ref, batch).backward()
+        for o in ref_opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+    opt = optim.groups(
+        optim.from_torch(torch.optim.Muon, LR),
+        [(lambda n, p: p.ndim != 2, optim.from_torch(torch.optim.AdamW, LR))],
+    )
+    state = fasttorch.TrainState.create(copy.deepcopy(model), opt)
+    state = _run(state, fasttorch.step(mse), data)
+    _assert_equal(state, ref)
+
+
+def test_groups_errors() -> None:
+    params = {"a.weight": torch.ones(2, 2), "a.bias": torch.ones(2)}
+    with pytest.raises(ValueError, match="matches no parameter"):
+        optim.groups(optim.adamw(LR), [("*.gamma", {"weight_decay": 0.0})]).init(params)
+    # the second rule only sees what the first left over
+    with pytest.raises(ValueError, match=r"rule 1 \(selector '\*.bias'\)"):
+        optim.groups(optim.sgd(LR), [("a.*", {"lr": 0.1}), ("*.bias", {"lr": 0.2})]).init(params)
+    with pytest.raises(TypeError, match="cannot override"):
+        optim.groups(optim.adamw(LR), [("*.bias", {"momentum": 0.0})])
+    with pytest.raises(TypeError, match="list of \\(selector, overrides\\)"):
+        optim.groups(optim.adamw(LR), {"*.bias": {}})  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------- load_torch_state_dict
+
+
+@pytest.mark.parametrize(
+    "name, make",
+    [
+        ("AdamW", lambda: optim.from_torch(torch.optim.AdamW, LR, weight_decay=0.1)),
+        ("Rprop", lambda: optim.from_torch(torch.optim.Rprop, LR)),
+        ("AdamW", lambda: optim.adamw(LR, weight_decay=0.1)),
+        ("SGD", lambda: optim.sgd(LR, momentum=0.9)),
+    ],
+    ids=["from_torch_adamw", "from_torch_rprop", "adamw", "sgd"],
+)
+def test_load_torch_state_dict_continues_the_run(name: str, make: Any) -> None:
+    torch.manual_seed(0)
+    model = LayerNormNet()
+    kw = {"weight_decay": 0.1} if name == "AdamW" else {"momentum": 0.9} if name == "SGD" else {}
+    data = batches(2 * STEPS, 16)
+    opt = getattr(torch.optim, name)(model.parameters(), lr=LR32, **kw)
+
+    def train(batches_: list[Any]) -> None:
+        for batch in batches_:
+            mse(model, batch).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    train(data[:STEPS])  # the plain loop, half way
+    state = fasttorch.TrainState.create(copy.deepcopy(model), make())
+    steps = STEPS if name == "SGD" else None  # SGD keeps no count
+    state = optim.load_torch_state_dict(state, opt.state_dict(), steps=steps)
+    assert int(state.step) == STEPS == int(state.opt_state.count)
+    train(data[STEPS:])  # both go on
+    state = _run(state, fasttorch.step(mse), data[STEPS:])
+    if isinstance(state.optimizer, optim.TorchOptimizer):
+        _assert_equal(state, model)
+        for slot, by_name in state.opt_state.slots.items():
+            for n, p in model.named_parameters():
+                assert torch.equal(by_name[n], opt.state[p][slot].to(by_name[n].device))
+    else:
+        # fasttorch's own adamw/sgd round some products once where torch's
+        # add(..., alpha=) fuses them (tests/test_optim.py): one ulp of O(1) values.
+        assert_params_close(state, model, rtol=1e-6, atol=1e-6)
+
+
+def test_load_torch_state_dict_errors() -> None:
+    model = LayerNormNet()
+    opt = torch.optim.Adam(model.parameters(), amsgrad=True)
+    mse(model, batches(1, 4)[0]).backward()
+    opt.step()
+    state = fasttorch.TrainState.create(model, optim.from_torch(torch.optim.Adam))
+    with pytest.raises(ValueError, match="'max_exp_avg_sq', which TorchOptimizer does not"):
+        optim.load_torch_state_dict(state, opt.state_dict())
+    with pytest.raises(ValueError, match="has 8 parameters and the state trains 2"):
+        optim.load_torch_state_dict(state, opt.state_dict(), names=["a", "b"])
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sgd.step()
+    with pytest.raises(ValueError, match="pass steps=N"):
+        optim.load_torch_state_dict(
+            fasttorch.TrainState.create(model, optim.sgd(0.1, momentum=0.9)), sgd.state_dict()
+        )
