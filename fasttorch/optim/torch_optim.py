@@ -205,6 +205,28 @@ class TorchOptimizer:
             return float(self.lr(torch.zeros((), dtype=torch.int64)))
         return float(self.lr)
 
+    def check_compilable(self) -> None:
+        """Raise if this optimizer cannot run inside a compiled step, saying why.
+
+        ``fasttorch.compiled`` calls it before tracing, so the message is not buried
+        in the compiler's own error.
+        """
+        name = self.cls.__name__
+        if name == "Adafactor":
+            raise RuntimeError(
+                "from_torch(Adafactor) cannot run in a compiled step: torch's Adafactor "
+                "reads the step count and parameter norms with .item() in every update. "
+                "Run the step eagerly (leave out fasttorch.compiled), or pick another "
+                "algorithm."
+            )
+        if dict(self.group).get("fused"):
+            raise RuntimeError(
+                f"from_torch({name}, fused=True) cannot run in a compiled step: torch "
+                "wraps its fused kernels in torch.compiler.disable (they are not traced). "
+                "In a compiled step leave fused out (torch's capturable kernel is traced "
+                "and fused by the compiler); keep fused=True for eager steps."
+            )
+
     def replace(self, **overrides: Any) -> TorchOptimizer:
         """The same algorithm with some hyperparameters replaced (for parameter groups)."""
         lr = overrides.pop("lr", self.lr)
@@ -248,22 +270,10 @@ class TorchOptimizer:
         if not names:
             return {}, opt_state.replace(count=count)
         name = self.cls.__name__
-        if name == "Adafactor" and _compiling():
-            raise RuntimeError(
-                "from_torch(Adafactor) cannot run in a compiled step: torch's Adafactor "
-                "reads the step count and parameter norms with .item() in every update. "
-                "Run the step eagerly (leave out fasttorch.compiled), or pick another "
-                "algorithm."
-            )
+        if _compiling():  # compiled checks this before tracing; a backstop for torch.compile
+            self.check_compilable()
         fn, accepted = self._kernel, self._accepted
         group = dict(self.group)
-        if group.get("fused") and _compiling():
-            raise RuntimeError(
-                f"from_torch({name}, fused=True) cannot run in a compiled step: torch "
-                "wraps its fused kernels in torch.compiler.disable (they are not traced). "
-                "In a compiled step leave fused out (torch's capturable kernel is traced "
-                "and fused by the compiler); keep fused=True for eager steps."
-            )
         keys = _STATE_ARGS[name]
 
         def own(t: Tensor) -> Tensor:

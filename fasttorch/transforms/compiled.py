@@ -23,6 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fasttorch import _compat
+from fasttorch.state import TrainState
 from fasttorch.steps import Step, check_wrap, warn_once
 from fasttorch.transforms._cpu_gemm import CpuGemm, HalfGemmInFloat32, half_gemm_dtypes
 
@@ -240,6 +241,7 @@ def compile_step_fn(
     def run(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled_fn, opts
         if compiled_fn is None:  # on the first call, when the tensors' devices are known
+            _check_optimizers(args)
             opts = _without_cpu_only_passes(options, (args, kwargs))
             if _on_cpu((args, kwargs)):
                 _check_isa_cache()
@@ -315,6 +317,14 @@ def _with_cpp_wrapper(options: dict[str, Any]) -> dict[str, Any]:
     if _compat.inductor_has_option("cpp_wrapper_build_separate"):
         inner.setdefault("cpp_wrapper_build_separate", True)
     return {**options, "options": inner}
+
+
+def _check_optimizers(args: Any) -> None:
+    """Let each state's optimizer refuse a compiled step before tracing (its own words)."""
+    for a in args:
+        check = getattr(getattr(a, "optimizer", None), "check_compilable", None)
+        if isinstance(a, TrainState) and callable(check):
+            check()
 
 
 def _check_isa_cache() -> None:
