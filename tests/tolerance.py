@@ -147,17 +147,19 @@ def params_atol(
     precision: str = "fp32",
     steps: int = 0,
     lr: float = 0.0,
+    roundings: int = 1,
 ) -> float:
     """One absolute bound for every parameter (or every buffer): ``FACTOR`` x the
     largest fp32 error, plus rule 4's ``steps * lr * u`` for a half-precision forward.
 
     One bound over all parameters, not one per tensor: a tensor whose true update is
     zero (a bias before a normalization) has no meaningful error of its own. The
-    floor is one rounding of the largest parameter entry, so an error that happened to
-    be 0 does not demand bitwise agreement of two different orders of operations.
+    floor is ``gamma(roundings)`` of the largest entry (one rounding unless told), so an
+    error that happened to be 0 does not demand bitwise agreement of two different
+    orders of operations.
     """
     largest = max(float(p.detach().abs().max()) for p in params.values() if p.is_floating_point())
-    floor = unit_roundoff(torch.float32) * largest
+    floor = gamma(roundings) * largest
     return FACTOR * max(max(errors.values()), floor) + steps * lr * half_roundoff(precision)
 
 
