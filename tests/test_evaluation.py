@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 from reference import BatchNormNet, LayerNormNet, batches, mse
-from tolerance import EXACT, gamma, sum_bound
+from tolerance import EXACT, gamma, split_mean_atol
 
 import fasttorch
 from fasttorch.evaluation import Mean, eval_step, evaluate
@@ -133,9 +133,7 @@ def test_evaluate_weights_batches_by_their_size():
     parts = [(x[:4], y[:4]), (x[4:], y[4:])]
     out = evaluate(eval_step(mse), state, parts)
     whole = eval_step(mse)(state, (x, y))["loss"]
-    # Rule 3: two orders of one sum of squared errors, each within sum_bound of the exact
-    # mean; the weighting (a product, a sum, a division) rounds three more times.
     with torch.no_grad():
         terms = (state.apply(x) - y).square() / y.numel()
-    atol = 2 * sum_bound(terms) + gamma(3) * float(whole)
+    atol = split_mean_atol(terms)  # rule 3: one mean, summed in two orders
     torch.testing.assert_close(out["loss"], whole, rtol=0, atol=atol)

@@ -60,6 +60,15 @@ def sum_bound(terms: torch.Tensor, dtype: torch.dtype = torch.float32) -> float:
     return gamma(max(n - 1, 1), dtype) * float(terms.double().abs().sum())
 
 
+def split_mean_atol(terms: torch.Tensor, dtype: torch.dtype = torch.float32) -> float:
+    """Rule 3 for a mean computed whole and as a weighted mean of parts: each order is
+    within ``sum_bound(terms)`` of the exact sum, and the weighting (a product, a sum, a
+    division) rounds three more times: ``2 sum_bound + gamma(3) |mean|``. ``terms`` are
+    the summands already divided by the count, so that they sum to the mean."""
+    mean = abs(float(terms.double().sum()))
+    return 2 * sum_bound(terms, dtype) + gamma(3, dtype) * mean
+
+
 def _to64(x: Any) -> Any:
     if isinstance(x, torch.Tensor) and x.is_floating_point():
         return x.double()
