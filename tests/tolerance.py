@@ -157,6 +157,7 @@ def params_atol(
     steps: int = 0,
     lr: float = 0.0,
     roundings: int = 1,
+    half_roundings: int = 1,
 ) -> float:
     """One absolute bound for every parameter (or every buffer): ``FACTOR`` x the
     largest fp32 error, plus rule 4's ``steps * lr * u`` for a half-precision forward.
@@ -165,11 +166,13 @@ def params_atol(
     zero (a bias before a normalization) has no meaningful error of its own. The
     floor is ``gamma(roundings)`` of the largest entry (one rounding unless told), so an
     error that happened to be 0 does not demand bitwise agreement of two different
-    orders of operations.
+    orders of operations. ``half_roundings``: how many half-precision roundings of the
+    chain may differ rather than flip (1: the same autocast kernels on both sides).
     """
     largest = max(float(p.detach().abs().max()) for p in params.values() if p.is_floating_point())
     floor = gamma(roundings) * largest
-    return FACTOR * max(max(errors.values()), floor) + steps * lr * half_roundoff(precision)
+    half = steps * lr * half_roundings * half_roundoff(precision)
+    return FACTOR * max(max(errors.values()), floor) + half
 
 
 def loss_atol(error: LoopError, losses: torch.Tensor, precision: str = "fp32") -> float:
