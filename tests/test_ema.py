@@ -82,10 +82,9 @@ def test_matches_the_reference_lerp_loop(warmup):
     _assert_close(state.params, ref, rtol=0, atol=atol)
     _assert_close(state.substates["ema"].params, ref_ema, rtol=0, atol=atol)
     assert int(state.substates["ema"].count) == t == 10
-    # The average really lags the parameters.
-    assert not torch.allclose(
-        state.substates["ema"].params["out.weight"], state.params["out.weight"]
-    )
+    # The average really lags the parameters: by more than the bound above.
+    lag = state.substates["ema"].params["out.weight"] - state.params["out.weight"]
+    assert float(lag.abs().max()) > atol
 
 
 def test_init_is_a_copy_of_the_params_not_a_view():
