@@ -1,6 +1,6 @@
 """Bounds for numerical comparisons, each from a stated rule (tests/README.md).
 
-Three rules, in order of preference:
+Four rules, in order of preference:
 
 1. ``EXACT``: the two sides run the same sequence of operations on the same inputs, so
    they agree bit for bit on any machine.
@@ -13,11 +13,13 @@ Three rules, in order of preference:
    bound for recursive summation (Accuracy and Stability of Numerical Algorithms, 2nd
    ed., eq. 4.4): ``|error| <= gamma(n-1) * sum(|x_i|)`` with
    ``gamma(k) = k*u / (1 - k*u)`` and ``u = eps/2`` the unit roundoff of the dtype.
-4. Half precision (``half``): both sides run the same autocast forward, so they round
-   alike except where rule 2's fp32 difference flips one rounding to bf16/fp16. A flip
-   moves a quantity by one unit roundoff ``u`` of the half dtype relative to itself: a
-   gradient norm by ``u``, a squared-error loss by ``2u``, and a normalized (Adam) update,
-   at most ``lr`` in size, by ``lr*u`` per step. These add to rule 2's fp32 bound.
+   ``split_mean_atol``: one mean summed whole and as weighted parts.
+4. ``half_roundoff``: both sides run the same autocast forward, so they round alike
+   except where rule 2's fp32 difference flips one rounding to bf16/fp16. A flip moves a
+   quantity by one unit roundoff ``u`` of the half dtype relative to itself: a gradient
+   norm by ``u``, a squared-error loss by ``2u``, and a normalized (Adam) update, at most
+   ``lr`` in size, by ``lr*u`` per step. These add to rule 2's fp32 bound
+   (``params_atol``, ``loss_atol``, ``grad_norm_rtol`` with ``precision=``).
 """
 
 from __future__ import annotations
