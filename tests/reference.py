@@ -121,6 +121,7 @@ def reference_run(
 
 
 def assert_params_close(state: Any, model: nn.Module, *, rtol: float, atol: float) -> None:
+    """Every parameter within the bound given (``tolerance.EXACT`` or a rule's atol)."""
     ref = dict(model.named_parameters())
     assert set(state.params) == set(ref)
     for name, p in state.params.items():
@@ -129,6 +130,10 @@ def assert_params_close(state: Any, model: nn.Module, *, rtol: float, atol: floa
         )
 
 
-def assert_buffers_close(state: Any, model: nn.Module) -> None:
+def assert_buffers_close(state: Any, model: nn.Module, *, atol: float) -> None:
+    """Floating buffers within ``atol`` (tests/tolerance.py), integer ones equal."""
     for name, b in model.named_buffers():
-        torch.testing.assert_close(state.buffers[name], b, rtol=1e-6, atol=1e-7)
+        bound = atol if b.is_floating_point() else 0.0
+        torch.testing.assert_close(
+            state.buffers[name], b, rtol=0, atol=bound, msg=lambda m, name=name: f"{name}: {m}"
+        )

@@ -10,11 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import BatchNormNet, batches, mse, reference_run
+from tolerance import fp32_reference_error, params_atol
 
 import fasttorch
 from fasttorch.testing import CHECKS, assert_states_close, check_step, forbid_host_sync
 
 DATA = batches(4, 8)
+LR = 1e-2
 
 
 def tiny():
@@ -22,29 +24,45 @@ def tiny():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
 
-def _factory(model_cls=tiny, opt=lambda: fasttorch.optim.adamw(1e-2)):
+def _model(model_cls=tiny):
+    torch.manual_seed(0)
+    return model_cls()
+
+
+def _factory(model_cls=tiny, opt=lambda: fasttorch.optim.adamw(LR)):
     def make():
-        torch.manual_seed(0)
-        return fasttorch.TrainState.create(model_cls(), opt())
+        return fasttorch.TrainState.create(_model(model_cls), opt())
 
     return make
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=LR)
+
+
+def _windows(data, n):
+    windows = [list(torch.utils._pytree.tree_map(lambda t: t.tensor_split(n), b)) for b in data]
+    return [list(zip(*w)) for w in windows]
 
 
 def _ref(precision="fp32", clip=None, n=1, ema_decay=None):
     """The hand-written loop (tests/reference.py) over windows of n microbatches."""
 
     def run(model, data):
-        windows = [list(torch.utils._pytree.tree_map(lambda t: t.tensor_split(n), b)) for b in data]
-        windows = [list(zip(*w)) for w in windows]
         trained, _ = reference_run(
-            model,
-            windows,
-            make_opt=lambda p: torch.optim.AdamW(p, lr=1e-2),
-            precision=precision,
-            clip=clip,
+            model, _windows(data, n), make_opt=_adamw, precision=precision, clip=clip
         )
         return trained
 
+    def atol():
+        """Rule 2 (+ rule 4 in fp16), tests/README.md: the fp32 loop's own error here.
+        An average of parameters (ema) is within the parameters' bound."""
+        model = _model()
+        errors = fp32_reference_error(model, _windows(DATA, n), make_opt=_adamw, clip=clip)
+        params = dict(model.named_parameters())
+        return params_atol(errors, params, precision=precision, steps=len(DATA), lr=LR)
+
+    run.atol = atol
     return run
 
 
@@ -77,14 +95,13 @@ def _cases():
 
 
 CASES = _cases()
-TOL = {"with_amp_fp16": (1e-4, 1e-5), "compiled_chain": (1e-4, 1e-5)}
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_transform_keeps_the_contract(name):
     step, reference = CASES[name]
-    rtol, atol = TOL.get(name, (1e-6, 1e-7))
-    report = check_step(step, _factory(), DATA, reference=reference, rtol=rtol, atol=atol)
+    atol = reference.atol() if reference is not None else 0.0
+    report = check_step(step, _factory(), DATA, reference=reference, rtol=0, atol=atol)
     assert set(report) == set(CHECKS)
     ran = {k for k, v in report.items() if v == "ok"}
     assert {"pure", "dtype", "compiles", "no_host_sync"} <= ran, report

@@ -21,6 +21,7 @@ from reference import (
     mse,
     reference_run,
 )
+from tolerance import grad_norm_rtol, loss_atol, params_atol, reference_error
 
 import fasttorch
 
@@ -28,11 +29,7 @@ STEPS = 10
 N = 4
 # fp16 starts from a scale that overflows, so skipping, backoff and growth all happen.
 FP16 = {"init_scale": 2.0**22, "growth_interval": 3}
-# Parameters: fp32 to 1e-6 (docs/design.md). In half precision the forward rounds, and a
-# 1-ulp difference in a parameter can flip a rounding there: 1e-4 of dtype tolerance.
-TOL = {"fp32": (1e-6, 1e-7), "bf16": (1e-4, 1e-5), "fp16": (1e-4, 1e-5)}
-# Reported losses: a half-precision forward turns 1e-7 parameter differences into ~1e-4.
-LOSS_TOL = {"fp32": (1e-5, 1e-6), "bf16": (1e-3, 1e-4), "fp16": (1e-3, 1e-4)}
+LR = 1e-2
 
 
 def build(precision, accum, clip, mode, *, donate=True, loss_fn=mse):
@@ -61,7 +58,7 @@ def windows_for(accum, seed=0):
 
 
 def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
 
 
 @pytest.mark.parametrize(
@@ -88,7 +85,7 @@ def test_matches_reference_loop(precision, accum, clip, mode):
         scaler_kwargs=FP16 if precision == "fp16" else None,
     )
     state = fasttorch.TrainState.create(
-        copy.deepcopy(model), fasttorch.optim.adamw(1e-2, weight_decay=0.1)
+        copy.deepcopy(model), fasttorch.optim.adamw(LR, weight_decay=0.1)
     )
     step = build(precision, accum, clip, mode)
     updates = []
@@ -97,11 +94,14 @@ def test_matches_reference_loop(precision, accum, clip, mode):
         if "lr" in metrics:
             updates.append(metrics)
     assert len(updates) == STEPS and int(state.step) == STEPS
-    rtol, atol = TOL[precision]
-    assert_params_close(state, ref, rtol=rtol, atol=atol)
+    # Rule 2 (fp32 loop's own error) plus, in bf16/fp16, rule 4 (tests/README.md).
+    error = reference_error(model, windows, make_opt=adamw, clip=clip)
+    atol = params_atol(error.params, state.params, precision=precision, steps=STEPS, lr=LR)
+    assert_params_close(state, ref, rtol=0, atol=atol)
     losses = torch.stack([m["loss"] for m in updates])
-    rtol, atol = LOSS_TOL[precision]
-    torch.testing.assert_close(losses, torch.tensor([r["loss"] for r in log]), rtol=rtol, atol=atol)
+    ref_losses = torch.tensor([r["loss"] for r in log])
+    atol = loss_atol(error, ref_losses, precision)  # rules 2 + 4
+    torch.testing.assert_close(losses, ref_losses, rtol=0, atol=atol)
     if precision == "fp16":
         scales = [float(m["loss_scale"]) for m in updates]
         assert scales == [r["scale"] for r in log]
@@ -110,7 +110,8 @@ def test_matches_reference_loop(precision, accum, clip, mode):
         norms = torch.stack([m["grad_norm"] for m in updates])
         ref_norms = torch.tensor([r["grad_norm"] for r in log])
         finite = torch.isfinite(ref_norms)
-        torch.testing.assert_close(norms[finite], ref_norms[finite], rtol=1e-5, atol=1e-6)
+        rtol = grad_norm_rtol(error, precision)  # rules 2 + 4
+        torch.testing.assert_close(norms[finite], ref_norms[finite], rtol=rtol, atol=0)
 
 
 @pytest.mark.parametrize("accum", ["none", "within", "across"])
@@ -121,13 +122,14 @@ def test_batchnorm_buffers_match_reference(accum, mode):
     windows, calls = windows_for(accum, seed=1)
     ref, _ = reference_run(model, windows, make_opt=adamw, clip=1.0)
     state = fasttorch.TrainState.create(
-        copy.deepcopy(model), fasttorch.optim.adamw(1e-2, weight_decay=0.1)
+        copy.deepcopy(model), fasttorch.optim.adamw(LR, weight_decay=0.1)
     )
     step = build("fp32", accum, 1.0, mode)
     for batch in calls:
         state, _ = step(state, batch)
-    assert_params_close(state, ref, rtol=1e-6, atol=1e-7)
-    assert_buffers_close(state, ref)
+    error = reference_error(model, windows, make_opt=adamw, clip=1.0)  # rule 2
+    assert_params_close(state, ref, rtol=0, atol=params_atol(error.params, state.params))
+    assert_buffers_close(state, ref, atol=params_atol(error.buffers, state.buffers))
     assert int(state.buffers["bn.num_batches_tracked"]) == STEPS * (1 if accum == "none" else N)
 
 
@@ -136,17 +138,15 @@ def test_sgd_nesterov_with_accumulation(accum):
     torch.manual_seed(2)
     model = LayerNormNet()
     windows, calls = windows_for(accum, seed=2)
-    ref, _ = reference_run(
-        model,
-        windows,
-        clip=0.5,
-        make_opt=lambda p: torch.optim.SGD(
-            p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3
-        ),
-    )
+
+    def sgd(p):
+        return torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+
+    ref, _ = reference_run(model, windows, clip=0.5, make_opt=sgd)
     opt = fasttorch.optim.sgd(0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
     state = fasttorch.TrainState.create(copy.deepcopy(model), opt)
     step = build("fp32", accum, 0.5, "eager")
     for batch in calls:
         state, _ = step(state, batch)
-    assert_params_close(state, ref, rtol=1e-6, atol=1e-7)
+    error = reference_error(model, windows, make_opt=sgd, clip=0.5)  # rule 2
+    assert_params_close(state, ref, rtol=0, atol=params_atol(error.params, state.params))

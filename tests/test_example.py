@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from tolerance import gamma
 
 from fasttorch import checkpoint
 
@@ -96,7 +97,9 @@ def _check(summary: dict[str, Any], steps: int) -> None:
     assert summary["final_loss"] < summary["initial_loss"] - 0.5
     assert summary["val_loss"] < summary["val_loss_initial"] - 0.5
     assert summary["steps_per_s"] > 0 and summary["wall_s"] > 0
-    assert summary["tokens_per_s"] == pytest.approx(summary["steps_per_s"] * 16 * 32)
+    # float64 bookkeeping: two rates from one count and one time, a few roundings each.
+    rel = gamma(4, torch.float64)
+    assert summary["tokens_per_s"] == pytest.approx(summary["steps_per_s"] * 16 * 32, rel=rel)
     assert summary["peak_memory_bytes"] > 2**20
 
 

@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 from reference import LayerNormNet, assert_params_close, batches, mse
+from tolerance import fp32_reference_error, params_atol
 
 import fasttorch
 
@@ -26,6 +27,7 @@ def test_matches_the_loop_that_backpropagates_the_weighted_loss(compile_it, n):
     torch.manual_seed(0)
     model = LayerNormNet()
     data = batches(3, 16)
+    ref0 = copy.deepcopy(model)
     ref = _hand_loop(copy.deepcopy(model), data, 0.25, n)
     step = fasttorch.grad_accumulate(fasttorch.scale_loss(fasttorch.step(mse), 0.25), n)
     if compile_it:
@@ -33,9 +35,14 @@ def test_matches_the_loop_that_backpropagates_the_weighted_loss(compile_it, n):
     state = fasttorch.TrainState.create(model, fasttorch.optim.sgd(0.1, momentum=0.9))
     for b in data:
         state, metrics = step(state, b)
-    # The suite's fp32 rule for a different implementation of the same optimizer
-    # (docs/design.md, "Equivalence"), as in test_equivalence.
-    assert_params_close(state, ref, rtol=1e-6, atol=1e-7)
+    # Rule 2: the fp32 loop's own error against float64 (tests/README.md).
+    errors = fp32_reference_error(
+        ref0,
+        [list(zip(x.tensor_split(n), y.tensor_split(n))) for x, y in data],
+        make_opt=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        loss_fn=lambda apply, b: mse(apply, b) * 0.25,
+    )
+    assert_params_close(state, ref, rtol=0, atol=params_atol(errors, state.params))
     assert metrics["loss"].ndim == 0
 
 

@@ -8,10 +8,14 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from tolerance import unit_roundoff
 
 from fasttorch import schedules
 
-TOL = 1e-6
+# The optimizer reads the lr as a float32 (OptState.hyper): two float64 schedules that
+# agree within one float32 rounding (the dtype's epsilon, tests/README.md) train alike.
+# torch's recursive schedulers and the closed forms here both round far less, in float64.
+TOL = unit_roundoff(torch.float32)
 
 
 def _torch_lrs(
@@ -44,7 +48,7 @@ def _ours(schedule: schedules.Schedule, steps: int) -> list[float]:
 def _assert_close(ours: list[float], ref: list[float]) -> None:
     assert len(ours) == len(ref)
     for k, (a, b) in enumerate(zip(ours, ref)):
-        assert math.isclose(a, b, rel_tol=TOL, abs_tol=1e-12), (k, a, b)
+        assert math.isclose(a, b, rel_tol=TOL, abs_tol=0.0), (k, a, b)
 
 
 def test_constant() -> None:
@@ -126,7 +130,8 @@ def test_schedules_compile_once() -> None:
     compiled = torch.compile(sched, fullgraph=True, backend="aot_eager")
     for k in range(30):
         step = torch.tensor(k)
-        assert math.isclose(float(compiled(step)), float(sched(step)), rel_tol=1e-12)
+        # Rule 1: aot_eager runs the eager schedule's operations, in the same order.
+        assert float(compiled(step)) == float(sched(step))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
