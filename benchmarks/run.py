@@ -36,7 +36,7 @@ from benchmarks.stats import Summary, drifted_rounds, payback_steps, per_step, s
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
-ALL_VARIANTS = ("B0", "B1", "B2", "B3", "B4", "B5", "F0", "F1", "F2")
+ALL_VARIANTS = ("B0", "B1", "B2", "B3", "B4", "B5", "F0", "F1", "F2", "F0T", "F1T")
 GPU_ONLY = ("B3", "F2")
 STOCK = ("B1", "B2", "B3")
 MARK = "@@RESULT@@ "

@@ -21,6 +21,9 @@ as a tensor and never reads it back: the worker reads it once, after step 50.
 * F0: ``clip_scaled(grad_accumulate(with_amp(step(loss_fn), prec), 4), 1.0)``.
 * F1: ``compiled(F0)``.
 * F2: ``compiled(F0, mode="reduce-overhead")`` (CUDA graphs; GPU only).
+* F0T / F1T: F0 / F1 with ``fasttorch.optim.from_torch(torch.optim.AdamW, ...)``,
+  torch's own AdamW kernels (F0T ``fused=True``; F1T torch's capturable kernel, traced,
+  since torch does not let a compiler trace its fused one).
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ VARIANTS: dict[str, str] = {
     "F0": "fasttorch, eager",
     "F1": "fasttorch, compiled",
     "F2": 'fasttorch, compiled mode="reduce-overhead"',
+    "F0T": "fasttorch, eager, torch's fused AdamW (from_torch)",
+    "F1T": "fasttorch, compiled, torch's AdamW kernel (from_torch)",
 }
 GPU_ONLY = frozenset({"B3", "F2"})
 STOCK = ("B1", "B2", "B3")  # "the best stock option" is the fastest of these
@@ -188,12 +193,19 @@ def _fasttorch(name: str, model_name: str, precision: str, device: torch.device)
     import fasttorch
 
     model = build(model_name, device)
-    state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(LR, weight_decay=WEIGHT_DECAY))
+    if name in ("F0T", "F1T"):
+        fused = {"fused": True} if name == "F0T" else {}
+        opt: Any = fasttorch.optim.from_torch(
+            torch.optim.AdamW, LR, weight_decay=WEIGHT_DECAY, **fused
+        )
+    else:
+        opt = fasttorch.optim.adamw(LR, weight_decay=WEIGHT_DECAY)
+    state = fasttorch.TrainState.create(model, opt)
     base = fasttorch.step(loss_fn)
     if precision != "fp32":
         base = fasttorch.with_amp(base, precision)
     s = fasttorch.clip_scaled(fasttorch.grad_accumulate(base, ACCUM), MAX_NORM)
-    if name == "F1":
+    if name in ("F1", "F1T"):
         s = fasttorch.compiled(s)
     elif name == "F2":
         s = fasttorch.compiled(s, mode="reduce-overhead")
