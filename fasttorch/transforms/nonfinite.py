@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import weakref
-from collections import deque
-from typing import Any
-
 import torch
 
 from fasttorch import struct
+from fasttorch._late import LateRead
 from fasttorch.phases import GradOut, Metrics, keep_buffers, mark_skip, unscaled_norm
 from fasttorch.state import TrainState, check_alive
 from fasttorch.steps import Step, check_wrap
@@ -48,36 +45,22 @@ class _Limit:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.last: weakref.ref[TrainState] | None = None
-        self.queue: deque[tuple[torch.Tensor, Any]] = deque()
+        self.counter = LateRead()
 
     def after(self, step: Step, new: TrainState) -> None:
-        if new.device.type == "cpu":
-            return
-        counter = new.substates[KEY].skipped_in_a_row
-        host = torch.empty((), dtype=counter.dtype, pin_memory=True)
-        host.copy_(counter, non_blocking=True)
-        event = torch.cuda.Event() if new.device.type == "cuda" else None  # type: ignore[no-untyped-call]
-        if event is not None:
-            event.record()
-        self.queue.append((host, event))
-        self.last = weakref.ref(new)
+        if new.device.type != "cpu":
+            self.counter.push(new.substates[KEY].skipped_in_a_row, new)
 
     def before(self, step: Step, state: TrainState) -> None:
         check_alive(state, step.name)
         if KEY not in state.substates:
             return
         limit = self.limit
-        watch = self
         if state.device.type == "cpu":
             # The CPU has finished the previous step when it returns: no wait.
             seen = [int(state.substates[KEY].skipped_in_a_row)]
         else:
-            if watch.last is None or watch.last() is not state:
-                watch.queue.clear()  # copies of another state's counter
-            seen = []
-            while watch.queue and (watch.queue[0][1] is None or watch.queue[0][1].query()):
-                seen.append(int(watch.queue.popleft()[0]))
+            seen = [int(v) for v in self.counter.landed(state)]
         if seen and max(seen) >= limit:
             sub: NonFiniteState = state.substates[KEY]
             total = int(sub.skipped_total) if state.device.type == "cpu" else "?"

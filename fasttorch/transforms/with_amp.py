@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import warnings
-import weakref
-from collections import deque
-from typing import Any, Literal
+from typing import Literal
 
 import attrs
 import torch
 
 from fasttorch import _compat, struct
+from fasttorch._late import LateRead
 from fasttorch.phases import (
     Batch,
     GradOut,
@@ -111,20 +110,11 @@ class _Floor:
     def __init__(self, min_scale: float) -> None:
         self.min_scale = min_scale
         self.warned = False
-        self.last: weakref.ref[TrainState] | None = None
-        self.queue: deque[tuple[torch.Tensor, Any]] = deque()
+        self.scale = LateRead()
 
     def after(self, step: Step, new: TrainState) -> None:
-        if self.warned or new.device.type == "cpu":
-            return
-        scale = new.substates[KEY].scale
-        host = torch.empty((), dtype=scale.dtype, pin_memory=True)
-        host.copy_(scale, non_blocking=True)
-        event = torch.cuda.Event() if new.device.type == "cuda" else None  # type: ignore[no-untyped-call]
-        if event is not None:
-            event.record()
-        self.queue.append((host, event))
-        self.last = weakref.ref(new)
+        if not self.warned and new.device.type != "cpu":
+            self.scale.push(new.substates[KEY].scale, new)
 
     def before(self, step: Step, state: TrainState) -> None:
         if self.warned or KEY not in state.substates:
@@ -134,14 +124,10 @@ class _Floor:
             # and no operator (a scalar read) is dispatched on every call.
             seen = [float(state.substates[KEY].scale.detach().numpy())]
         else:
-            if self.last is None or self.last() is not state:
-                self.queue.clear()  # copies of another state's scale
-            seen = []
-            while self.queue and (self.queue[0][1] is None or self.queue[0][1].query()):
-                seen.append(float(self.queue.popleft()[0]))
+            seen = self.scale.landed(state)
         if seen and min(seen) <= self.min_scale:
             self.warned = True
-            self.queue.clear()
+            self.scale.queue.clear()
             warnings.warn(
                 f"step {step.name!r}: the fp16 loss scale fell to its floor "
                 f"min_scale={self.min_scale:g} after many non-finite gradients (each one "
