@@ -2,24 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
-import sys
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+from examples_kit import EXAMPLES, load_example, one_thread
 from tolerance import gamma
 
 from fasttorch import checkpoint
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_charlm.py"
+EXAMPLE = EXAMPLES / "train_charlm.py"
 
 TINY = [
     "--no-compile",
@@ -64,25 +62,10 @@ OPTIONAL = {"device", "torch", "resumed_from", "val_loss_ema", "checkpoint"}
 
 @pytest.fixture(scope="module")
 def example() -> ModuleType:
-    if str(EXAMPLE.parent) not in sys.path:  # as `python examples/train_charlm.py` has it
-        sys.path.insert(0, str(EXAMPLE.parent))
-    spec = importlib.util.spec_from_file_location("train_charlm", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example(EXAMPLE)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Tiny models gain nothing from a second thread, and on a shared two-core box
-    spinning OpenMP waiters make them up to 10x slower (the script sets
-    OMP_WAIT_POLICY=PASSIVE for that, which is too late once conftest imported torch)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True)(one_thread)
 
 
 def _check(summary: dict[str, Any], steps: int) -> None:

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from examples_kit import EXAMPLES, load_example, one_thread
 
 import fasttorch
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_convnet.py"
+EXAMPLE = EXAMPLES / "train_convnet.py"
 
 TINY = [
     "--no-compile",
@@ -34,22 +32,10 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def example() -> ModuleType:
-    if str(EXAMPLE.parent) not in sys.path:  # as `python examples/train_convnet.py` has it
-        sys.path.insert(0, str(EXAMPLE.parent))
-    spec = importlib.util.spec_from_file_location("train_convnet", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example(EXAMPLE)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+_one_thread = pytest.fixture(autouse=True)(one_thread)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
