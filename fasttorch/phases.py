@@ -28,7 +28,7 @@ from torch.func import functional_call
 
 from fasttorch import _compat, _scope, struct
 from fasttorch.optim._base import computed_once, in_cpu_graph
-from fasttorch.state import TrainState
+from fasttorch.state import TrainState, is_sharded
 
 __all__ = [
     "BUFFERS_KEY",
@@ -117,7 +117,9 @@ def loss_phase(loss_fn: LossFn) -> LossPhase:
 
     def loss(state: TrainState, params: Tensors, buffers: Tensors, batch: Batch) -> Loss:
         def apply(*args: Any, **kwargs: Any) -> Any:
-            if type(params) is ModuleTensors:  # the module's own tensors: call it as is
+            # The module's own tensors (a sharded state's are its shards): call it as is.
+            own = type(params) is ModuleTensors
+            if own or (params is state.params and is_sharded(state.module)):
                 return state.module(*args, **kwargs)
             return functional_call(state.module, (params, buffers), args, kwargs)
 
@@ -198,8 +200,10 @@ def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> G
     backward produces it.
     """
     compiling = torch.compiler.is_compiling()
-    direct = None if compiling else module_tensors(state)
     into = None if compiling else _scope.current().into
+    if into is not None and is_sharded(state.module):  # FSDP2: sync_on_last's window
+        return _grad_into_module(loss, state, _SHARDED, batch, mult, into)
+    direct = None if compiling else module_tensors(state)
     if into is not None and direct is not None:
         return _grad_into_module(loss, state, direct, batch, mult, into)
     if compiling and not _compat.AUTOGRAD_GRAD_IN_GRAPH:
@@ -257,11 +261,20 @@ def _grad_functional(loss: LossPhase, state: TrainState, batch: Batch, mult: Any
 class IntoGrad:
     """An eager window accumulating in the module's ``.grad`` (see ``_grad_into_module``).
 
-    ``grad_accumulate`` puts one in the call scope (``_scope``) for the window.
+    ``grad_accumulate`` puts one in the call scope (``_scope``) for the window
+    (``sync_on_last`` too, for a sharded state).
     """
 
-    first: torch.Tensor | None = None  # the first microbatch's weight
+    first: torch.Tensor | None = None  # the weight each microbatch's seed is relative to
     same: bool = True  # every microbatch's weight is that same tensor (factors exactly 1)
+
+    def reference(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight seeds are relative to, given the first microbatch's: that one.
+
+        A sharded window (``sync_on_last``) takes the mean over ranks instead, so that
+        every rank's gradients carry the same factor when FSDP2 reduces them.
+        """
+        return weight
 
 
 def _grad_into_module(
@@ -293,8 +306,8 @@ def _grad_into_module(
             else constant(float(mult), device=v.device, dtype=v.dtype)
         )
         if into.first is None:
-            into.first = out.weight
-        elif out.weight is not into.first:
+            into.first = into.reference(out.weight)
+        if out.weight is not into.first:
             into.same = False
             seed = seed * (out.weight / into.first)
         inputs = _backward_inputs(params, state.module, v, batch)
@@ -324,6 +337,8 @@ def _backward_inputs(
     checked, once per module (a walk over its nodes). Otherwise the parameters are
     passed as ``inputs``, and nothing else gets a ``.grad``.
     """
+    if params.sharded:  # FSDP2 swaps its unsharded parameters in: loss.backward() as is
+        return None
     if not params.complete or any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(batch)
     ):
@@ -355,9 +370,16 @@ class ModuleTensors(dict[str, torch.Tensor]):
     """The module's own parameters, standing for ``state.params`` (same storage).
 
     ``complete``: every parameter of the module that requires grad is among them.
+    ``sharded``: empty, standing for a module sharded with FSDP2, whose forward
+    all-gathers the state's shards itself.
     """
 
     complete: bool = False
+    sharded: bool = False
+
+
+_SHARDED = ModuleTensors()
+_SHARDED.sharded = True
 
 
 _MODULE_PARAMS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()

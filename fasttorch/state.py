@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import nn
+
+try:  # torch.distributed can be left out of a build (USE_DISTRIBUTED=0)
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    FSDPModule = DTensor = ()  # type: ignore[assignment,misc]
 
 from fasttorch import struct
 from fasttorch._rng import initial_rng_state
@@ -13,7 +20,7 @@ from fasttorch._rng import initial_rng_state
 if TYPE_CHECKING:
     from fasttorch.optim import Optimizer, OptState
 
-__all__ = ["DonatedStateError", "TrainState"]
+__all__ = ["DonatedStateError", "TrainState", "is_sharded", "local_tensor"]
 
 _DONATED = "_fasttorch_donated"
 _FAILED = "_fasttorch_failed"
@@ -66,6 +73,12 @@ class TrainState(struct.Record):
         copy is made): a donating step updates them in place, so the module follows the
         latest state. The module is put in training mode.
 
+        A module sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``) gives a
+        *sharded* state: its parameters (and so the optimizer state built from them)
+        are this rank's shards, the local tensors of the module's ``DTensor``
+        parameters, which FSDP2 all-gathers for each forward. Such a state is trained
+        by steps wrapped in ``sync_on_last`` (docs/distributed.md, "Sharding").
+
         Args:
             module: the model. Its floating-point parameters with ``requires_grad`` are
                 trained; frozen parameters and buffers are carried as buffers.
@@ -105,7 +118,7 @@ class TrainState(struct.Record):
                     "floating-point parameters only. Register it with "
                     "module.register_buffer, or give it a floating dtype"
                 )
-            (params if p.requires_grad else buffers)[name] = p.detach()
+            (params if p.requires_grad else buffers)[name] = local_tensor(p)
         for name, b in module.named_buffers():
             buffers[name] = b.detach()
         if not params:
@@ -151,6 +164,8 @@ class TrainState(struct.Record):
         self.module.eval()
         try:
             with torch.no_grad():
+                if is_sharded(self.module):  # the module runs over this state's storage
+                    return self.module(*args, **kwargs)
                 return torch.func.functional_call(
                     self.module, (self.params, self.buffers), args, kwargs
                 )
@@ -179,6 +194,25 @@ class TrainState(struct.Record):
             f"buffers={len(self.buffers)}, step={self.step!r}, "
             f"substates={sorted(self.substates)}, device={self.device})"
         )
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` was sharded with FSDP2's ``fully_shard`` (its root or a child)."""
+    found = _SHARDED.get(module)
+    if found is None:
+        found = _SHARDED[module] = any(isinstance(m, FSDPModule) for m in module.modules())
+    return found
+
+
+_SHARDED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """``p`` detached; for a ``DTensor``, this rank's shard (the same storage)."""
+    if isinstance(p, DTensor):
+        with torch.no_grad():
+            return p.to_local().detach()
+    return p.detach()
 
 
 def _raise_donated(state: TrainState) -> NoReturn:

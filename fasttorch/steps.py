@@ -48,7 +48,7 @@ from fasttorch.phases import (
     scale_grads,
     update_phase,
 )
-from fasttorch.state import TrainState, check_alive, mark_donated, mark_failed
+from fasttorch.state import TrainState, check_alive, is_sharded, mark_donated, mark_failed
 
 __all__ = [
     "CallHook",
@@ -85,6 +85,11 @@ class Finisher(Protocol):
     accumulation: the batch is the whole window); with ``reset`` the window is the
     state's and comes back zeroed as ``fresh``. Returns ``(state, metrics, fresh,
     weight of the last microbatch)``.
+
+    A finisher may also run whole windows: ``window(step, state, microbatches)``
+    returning ``(state, metrics)``, or ``None`` to leave the state to the runner's own
+    loop (``grad_accumulate`` asks it first). ``shards = True`` says it trains states
+    sharded with FSDP2, which no other code path does.
     """
 
     def __call__(
@@ -397,6 +402,13 @@ def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metri
     check_alive(state, step.name)
     for hook in step.hooks:
         hook.before(step, state)
+    if is_sharded(state.module) and not getattr(step.finish, "shards", False):
+        raise ValueError(
+            f"step {step.name!r}: the state is sharded with FSDP2 (fully_shard), whose "
+            "gradients are reduce-scattered by its own hooks, but the step has no "
+            "transform that drives them. Wrap it with fasttorch.sync_on_last (after "
+            'grad_accumulate, before compiled): docs/distributed.md, "Sharding"'
+        )
     device = state.device
     check_batch(batch, device, step.name, state.params)
     given = state

@@ -29,7 +29,14 @@ import torch.distributed as dist
 from fasttorch import _compat
 from fasttorch.phases import GradOut, Loss, Tensors, skip_empty_window
 
-__all__ = ["DistributedStepError", "SyncConfig", "WindowReduction"]
+__all__ = [
+    "DistributedStepError",
+    "SyncConfig",
+    "WindowReduction",
+    "check_agreement",
+    "wait",
+    "window_counts",
+]
 
 
 class DistributedStepError(RuntimeError):
@@ -150,11 +157,8 @@ class WindowReduction:
         acc_w = 0.0 if self.acc is None else self.acc.weight.to(torch.float64)
         acc_v = 0.0 if self.acc is None else self.acc.value.to(torch.float64)
         v = out.value.detach().to(torch.float64)
-        n = float(self.n)
-        s = self.step.to(torch.float64)
-        one = torch.ones((), dtype=torch.float64, device=w.device)
         self.weight = out.weight.detach()
-        self.counts = torch.stack([w + acc_w, v * w + acc_v, one, one * n, one * n * n, s, s * s])
+        self.counts = window_counts(w + acc_w, v * w + acc_v, self.n, self.step)
         self.counts_work = dist.all_reduce(self.counts, group=self.config.group, async_op=True)
 
     def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
@@ -230,51 +234,93 @@ class WindowReduction:
         return skip_empty_window(window)
 
     def _wait(self, work: Any, timeout: datetime.timedelta, what: str) -> None:
-        start = time.monotonic()
-        try:
-            ok = work.wait(timeout)
-        except RuntimeError as e:
-            elapsed = time.monotonic() - start
-            if _timed_out(e, elapsed, timeout):
-                raise DistributedStepError(self._timeout_message(what, timeout)) from e
-            raise DistributedStepError(self._failure_message(what, elapsed, e)) from e
-        if ok is False:
-            raise DistributedStepError(self._timeout_message(what, timeout))
-
-    def _failure_message(self, what: str, elapsed: float, error: BaseException) -> str:
-        said = " ".join(str(error).split())
-        if len(said) > 600:
-            said = said[:597] + "..."
-        return (
-            f"rank {dist.get_rank(self.config.group)}: the all-reduce of {what} failed "
-            f"after {elapsed:.1f} s, before the {self.config.timeout.total_seconds():g} s "
-            "timeout: the collective itself failed, no rank was merely late. Usually "
-            "another rank died (an exception, an out-of-memory kill: see its own log) or "
-            "its connection was lost; every rank must then restart from a checkpoint. "
-            f"The backend said: {type(error).__name__}: {said}"
-        )
-
-    def _timeout_message(self, what: str, timeout: datetime.timedelta) -> str:
-        return (
-            f"rank {dist.get_rank(self.config.group)} waited {timeout.total_seconds():g} s "
-            f"for the all-reduce of {what} at the end of an accumulation window, and "
-            "another rank did not join: every rank must run the same number of steps and "
-            "microbatches per update (same grad_accumulate n, same number of batches)"
-        )
+        wait(work, self.config, what)
 
     def _check_agreement(self, counts: torch.Tensor) -> None:
-        ranks, n1, n2, s1, s2 = counts[2], counts[3], counts[4], counts[5], counts[6]
-        agree = torch.isclose(ranks * n2, n1 * n1) & torch.isclose(ranks * s2, s1 * s1)
-        if counts.device.type != "cpu":
-            return  # a device-side assert would kill the CUDA context; docs/distributed.md
-        try:
-            # A tensor condition, not a Python branch: on CPU it raises here and now.
-            _compat.assert_async(agree, "ranks disagree")
-        except RuntimeError as e:
-            raise DistributedStepError(
-                f"ranks disagree on the accumulation window: rank "
-                f"{dist.get_rank(self.config.group)} runs {self.n} microbatches per update "
-                "but another rank is at a different optimizer step or runs another number "
-                "of microbatches. Give every rank the same grad_accumulate n and the same "
-                "number of batches"
-            ) from e
+        check_agreement(counts, self.config, self.n)
+
+
+def wait(work: Any, config: SyncConfig, what: str) -> None:
+    """Wait for ``work`` (an async collective) within ``config.timeout``, or raise
+    :class:`DistributedStepError` saying whether a rank was late or the collective failed.
+    """
+    timeout = config.timeout
+    start = time.monotonic()
+    try:
+        ok = work.wait(timeout)
+    except RuntimeError as e:
+        elapsed = time.monotonic() - start
+        if _timed_out(e, elapsed, timeout):
+            raise DistributedStepError(_timeout_message(config, what)) from e
+        raise DistributedStepError(_failure_message(config, what, elapsed, e)) from e
+    if ok is False:
+        raise DistributedStepError(_timeout_message(config, what))
+
+
+def _failure_message(config: SyncConfig, what: str, elapsed: float, error: BaseException) -> str:
+    said = " ".join(str(error).split())
+    if len(said) > 600:
+        said = said[:597] + "..."
+    return (
+        f"rank {dist.get_rank(config.group)}: the all-reduce of {what} failed "
+        f"after {elapsed:.1f} s, before the {config.timeout.total_seconds():g} s "
+        "timeout: the collective itself failed, no rank was merely late. Usually "
+        "another rank died (an exception, an out-of-memory kill: see its own log) or "
+        "its connection was lost; every rank must then restart from a checkpoint. "
+        f"The backend said: {type(error).__name__}: {said}"
+    )
+
+
+def _timeout_message(config: SyncConfig, what: str) -> str:
+    return (
+        f"rank {dist.get_rank(config.group)} waited {config.timeout.total_seconds():g} s "
+        f"for the all-reduce of {what} at the end of an accumulation window, and "
+        "another rank did not join: every rank must run the same number of steps and "
+        "microbatches per update (same grad_accumulate n, same number of batches)"
+    )
+
+
+def window_counts(
+    weight: torch.Tensor, value_sum: torch.Tensor, n: int, step: torch.Tensor, *extra: torch.Tensor
+) -> torch.Tensor:
+    """One window's counts for a SUM all-reduce, in float64: total weight, sum of
+    value * weight, then 1, ``n``, ``n**2``, ``step``, ``step**2`` (for
+    :func:`check_agreement`), then ``extra``.
+    """
+    one = torch.ones((), dtype=torch.float64, device=weight.device)
+    s = step.to(torch.float64)
+    return torch.stack(
+        [
+            weight.to(torch.float64),
+            value_sum.to(torch.float64),
+            one,
+            one * n,
+            one * n * n,
+            s,
+            s * s,
+            *(x.to(torch.float64) for x in extra),
+        ]
+    )
+
+
+def check_agreement(counts: torch.Tensor, config: SyncConfig, n: int) -> None:
+    """Raise unless every rank ran ``n`` microbatches at the same optimizer step.
+
+    ``counts`` is :func:`window_counts` summed over the ranks: the values agree iff
+    ``R * sum(x**2) == sum(x)**2``.
+    """
+    ranks, n1, n2, s1, s2 = counts[2], counts[3], counts[4], counts[5], counts[6]
+    agree = torch.isclose(ranks * n2, n1 * n1) & torch.isclose(ranks * s2, s1 * s1)
+    if counts.device.type != "cpu":
+        return  # a device-side assert would kill the CUDA context; docs/distributed.md
+    try:
+        # A tensor condition, not a Python branch: on CPU it raises here and now.
+        _compat.assert_async(agree, "ranks disagree")
+    except RuntimeError as e:
+        raise DistributedStepError(
+            f"ranks disagree on the accumulation window: rank "
+            f"{dist.get_rank(config.group)} runs {n} microbatches per update "
+            "but another rank is at a different optimizer step or runs another number "
+            "of microbatches. Give every rank the same grad_accumulate n and the same "
+            "number of batches"
+        ) from e

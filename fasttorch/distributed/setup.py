@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from fasttorch._rng import initial_rng_state
+from fasttorch.distributed.fsdp import sharded_leaves
 from fasttorch.state import TrainState, check_alive
 from fasttorch.steps import warn_once
 
@@ -90,6 +91,10 @@ def replicate(state: TrainState, *, group: Any = None, src: int = 0) -> TrainSta
     then gets its own RNG stream, derived from the state's generator and the rank, so
     dropout masks differ across ranks and are reproducible.
 
+    In a sharded state (a module sharded with FSDP2) each rank keeps its own shards:
+    they are parts of one model, which every rank must have built the same way (same
+    seed) before ``fully_shard``. Everything else is broadcast as above.
+
     Raises:
         RuntimeError: torch.distributed is not initialized, or ranks' states differ.
     """
@@ -99,12 +104,14 @@ def replicate(state: TrainState, *, group: Any = None, src: int = 0) -> TrainSta
             "fasttorch.distributed.replicate needs an initialized process group: launch "
             "with torchrun and call fasttorch.distributed.setup() first"
         )
+    shards = sharded_leaves(state)
     leaves = [
-        (pytree.keystr(path), x)
-        for path, x in pytree.tree_flatten_with_path(state)[0]
+        (pytree.keystr(path), x, shards.get(i))
+        for i, (path, x) in enumerate(pytree.tree_flatten_with_path(state)[0])
         if isinstance(x, torch.Tensor) and x is not state.rng
     ]
-    signature = [(k, tuple(x.shape), str(x.dtype)) for k, x in leaves]
+    # A shard's signature is its parameter's global shape: shards differ in size.
+    signature = [(k, tuple(x.shape if p is None else p.shape), str(x.dtype)) for k, x, p in leaves]
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, signature, group=group)
     for rank, theirs in enumerate(gathered):
@@ -115,8 +122,9 @@ def replicate(state: TrainState, *, group: Any = None, src: int = 0) -> TrainSta
                 f"{first[1]} there, {first[0]} here. Build the same model, optimizer and "
                 "transforms on every rank (and call step.init(state) on all or none)"
             )
-    for _, x in leaves:
-        dist.broadcast(x, src=src, group=group)
+    for _, x, p in leaves:
+        if p is None:  # each rank keeps its own shards (FSDP2 sharded the same model)
+            dist.broadcast(x, src=src, group=group)
     g = torch.Generator().manual_seed(0)
     g.set_state(state.rng.cpu() if state.rng.device.type != "cpu" else state.rng)
     base = int(torch.randint(0, 2**62, (1,), generator=g))

@@ -8,17 +8,32 @@ from typing import Any
 
 import torch
 
+from fasttorch.distributed.fsdp import run_sharded_window
 from fasttorch.distributed.reducer import SyncConfig, WindowReduction
 from fasttorch.donation import commit
 from fasttorch.phases import Batch, Loss, Metrics, Tensors
-from fasttorch.state import TrainState
+from fasttorch.state import TrainState, is_sharded
 from fasttorch.steps import Step, apply_update, check_wrap
 
 __all__ = ["sync_on_last"]
 
 
 class _Sync(SyncConfig):
-    """The finisher ``sync_on_last`` installs: the window's last microbatch, reduced."""
+    """The finisher ``sync_on_last`` installs: the window's last microbatch, reduced.
+
+    A state sharded with FSDP2 goes to :func:`run_sharded_window` instead, which runs
+    the whole window (``window``).
+    """
+
+    shards = True
+
+    def window(
+        self, step: Step, state: TrainState, micro: list[Batch]
+    ) -> tuple[TrainState, Metrics] | None:
+        """Run a whole window over a sharded state; ``None`` for a replicated one."""
+        if not is_sharded(state.module):
+            return None
+        return run_sharded_window(self, step, state, micro)
 
     def __call__(
         self, step: Step, state: TrainState, acc: Any, batch: Batch, n: int, reset: bool
@@ -28,6 +43,12 @@ class _Sync(SyncConfig):
         The backward runs outside any graph (its hooks launch the collectives while it
         goes on); under ``compiled`` the forward and the update are graphs.
         """
+        if is_sharded(state.module):
+            # grad_accumulate runs sharded windows through window(), or refuses them
+            # (across calls): here the batch is the whole window.
+            assert acc is None
+            new, metrics = run_sharded_window(self, step, state, [batch])
+            return new, metrics, None, metrics["loss"]
         reduction = WindowReduction(self, state.params, acc, n, state.step)
         forward = step.kernel("forward", lambda: step.loss)
         handles: list[Any] = []

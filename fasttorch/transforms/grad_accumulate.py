@@ -29,7 +29,7 @@ from fasttorch.phases import (
     module_tensors,
     skip_empty_window,
 )
-from fasttorch.state import TrainState
+from fasttorch.state import TrainState, is_sharded
 from fasttorch.steps import Step, apply_update, check_wrap
 
 __all__ = ["KEY", "AccumState", "accumulate", "empty_window", "finish_window", "grad_accumulate"]
@@ -138,6 +138,11 @@ def _within_call(
 ) -> tuple[TrainState, Metrics]:
     """Split ``batch`` into ``n`` microbatches and update once from their window."""
     micro = split(batch, n, step.name)
+    whole = getattr(step.finish, "window", None)
+    if whole is not None:
+        done: tuple[TrainState, Metrics] | None = whole(step, state, micro)
+        if done is not None:
+            return done
     if step.is_eager and step.finish is None and module_tensors(state) is not None:
         return _window_in_module(step, state, micro)
     finish = step.finish or finish_window
@@ -161,6 +166,14 @@ def _across_calls(
     step: Step, state: TrainState, batch: Batch, *, n: int
 ) -> tuple[TrainState, Metrics]:
     """One microbatch per call: accumulate into the state's window, update on the n-th."""
+    if is_sharded(state.module):
+        raise ValueError(
+            f"step {step.name!r}: grad_accumulate(..., across_calls=True) cannot train a "
+            "state sharded with FSDP2: between calls the window's gradients would live "
+            "unsharded in the module's .grad, outside the state (neither pure nor "
+            "checkpointed). Give each call the whole window's batch instead: "
+            "grad_accumulate(step, n) splits it and reduces once, on the last microbatch"
+        )
     window: AccumState = state.substates[KEY]
     rest = {k: v for k, v in state.substates.items() if k != KEY}
     inner = state.replace(substates=rest)

@@ -1,0 +1,223 @@
+"""Sharded states: ``sync_on_last`` over a module sharded with FSDP2 (``fully_shard``).
+
+FSDP2 owns the sharding: the module's parameters are ``DTensor`` shards, its hooks
+all-gather them for each forward and reduce-scatter the gradients after the last
+backward. A sharded ``TrainState`` holds this rank's shards (the same storage), so the
+optimizer, clipping, loss scaling and EMA run on plain local tensors, and a donating
+update writes into what FSDP2 all-gathers next. What FSDP2 does not do, this module
+does around it, once per window:
+
+* the window's microbatches backpropagate into the module's ``.grad`` as
+  ``loss.backward()`` does (FSDP2 sees nothing else), with the gradient sync off for
+  every microbatch but the last (``set_requires_gradient_sync``), so the only
+  reduce-scatter is the last backward's;
+* each microbatch's backward is seeded with ``mult * weight / reference``, the
+  reference being the mean over ranks of the first microbatch's weight (one small
+  all-reduce per window), so every rank's gradients carry the same factor and the
+  reduced gradient is the mean over every sample of the global window, whatever the
+  ranks' shard sizes (with equal weights the factor is exactly 1);
+* one all-reduce after the backward carries the window's counts (weight, loss, the
+  agreement checks of :func:`~fasttorch.distributed.reducer.check_agreement`) and the
+  local sum of squares of the gradient shards, from which every rank gets the same
+  global norm: clipping uses it, and an inf/NaN on any rank makes every rank skip.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fasttorch import _scope
+from fasttorch.distributed.reducer import (
+    DistributedStepError,
+    SyncConfig,
+    check_agreement,
+    wait,
+    window_counts,
+)
+from fasttorch.phases import Batch, GradOut, IntoGrad, Metrics, reciprocal, skip_empty_window
+from fasttorch.state import TrainState, local_tensor
+from fasttorch.steps import Step, apply_update, warn_once
+
+__all__ = ["as_dtensor", "run_sharded_window", "sharded_leaves", "sharded_parameters"]
+
+
+def sharded_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's trainable parameters by name (``DTensor``s where FSDP2 sharded them)."""
+    return {k: p for k, p in module.named_parameters() if p.requires_grad}
+
+
+def sharded_leaves(state: TrainState) -> dict[int, DTensor]:
+    """The leaves of ``state`` that are shards, by index in ``tree_flatten`` order.
+
+    A leaf is a shard of the module's ``DTensor`` parameter ``name`` when its path
+    ends in ``name`` and it has that parameter's local shape: the parameter itself in
+    ``params``, and what the optimizer and transforms keep per parameter
+    (``opt_state/slots/exp_avg/name``, ``substates/ema/params/name``). Each maps to
+    the parameter, whose mesh, placements and global shape describe it.
+    """
+    by_name = {k: p for k, p in state.module.named_parameters() if isinstance(p, DTensor)}
+    if not by_name:
+        return {}
+    out: dict[int, DTensor] = {}
+    for i, (path, leaf) in enumerate(pytree.tree_flatten_with_path(state)[0]):
+        last = path[-1] if path else None
+        name = getattr(last, "key", None)
+        p = by_name.get(name) if isinstance(name, str) else None
+        if p is not None and isinstance(leaf, torch.Tensor) and leaf.shape == p._local_tensor.shape:
+            out[i] = p
+    return out
+
+
+def as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
+    """``local`` as a shard of a ``DTensor`` laid out as ``like`` (no copy)."""
+    return DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+class _ShardedInto(IntoGrad):
+    """The window's seeds, relative to the mean over ranks of the first weight."""
+
+    def __init__(self, config: SyncConfig) -> None:
+        self.config = config
+
+    def reference(self, weight: torch.Tensor) -> torch.Tensor:
+        total = weight.detach().to(torch.float64).clone()
+        wait(
+            dist.all_reduce(total, group=self.config.group, async_op=True),
+            self.config,
+            "the window's first microbatch weight",
+        )
+        ranks = dist.get_world_size(self.config.group)
+        return (total / ranks).to(weight.dtype)
+
+
+def _check(config: SyncConfig, step: Step, state: TrainState) -> list[Any]:
+    """The FSDP2 modules of ``state.module`` (root first), after checking the call."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise DistributedStepError(
+            "sync_on_last over a sharded state needs torch.distributed: launch with "
+            "torchrun and call fasttorch.distributed.setup() before fully_shard"
+        )
+    if not step.donate:
+        raise ValueError(
+            f"step {step.name!r}: a sharded state cannot be trained with donate=False. "
+            "Its parameters are the module's own shards, which FSDP2 all-gathers for "
+            "every forward, so a step must update them in place. Build the step with "
+            "fasttorch.step(loss_fn) (donate=True), and keep copies with "
+            "fasttorch.checkpoint.save instead"
+        )
+    from torch.distributed.fsdp import FSDPModule
+
+    roots = [m for m in state.module.modules() if isinstance(m, FSDPModule)]
+    if not isinstance(state.module, FSDPModule):
+        raise ValueError(
+            f"step {step.name!r}: the state's module {type(state.module).__name__} has "
+            "children sharded with fully_shard but is not sharded itself. Call "
+            "fully_shard(model) on the root too, after its blocks (as torchtitan does): "
+            "the root's hooks drive the whole forward and backward"
+        )
+    if not step.is_eager:
+        warn_once(
+            "compiled: the state is sharded with FSDP2, whose hooks run outside any "
+            "graph, so the forward and backward run eagerly and the update (unscale, "
+            "clip, optimizer, EMA) is one compiled graph. Compile the model's blocks "
+            "before fully_shard (block.compile(), as torchtitan does) to compile the "
+            'forward and backward too: docs/distributed.md, "Sharding"'
+        )
+    return roots
+
+
+def run_sharded_window(
+    config: SyncConfig, step: Step, state: TrainState, micro: list[Batch]
+) -> tuple[TrainState, Metrics]:
+    """One window of ``micro`` microbatches over a sharded state, then its update."""
+    roots = _check(config, step, state)
+    root = roots[0]
+    params = sharded_parameters(state.module)
+    n = len(micro)
+    into = _ShardedInto(config)
+    saved = {k: p.grad for k, p in params.items()}
+    value_sum: torch.Tensor | None = None
+    local_weight: torch.Tensor | None = None
+    aux_sum: Any = None
+    last: GradOut | None = None
+    try:
+        for p in params.values():
+            p.grad = None
+        for i, mb in enumerate(micro):
+            root.set_requires_gradient_sync(i == n - 1)
+            with _scope.scope(into=into):
+                g = step.grad(step.loss, state, mb, 1.0 / n)
+            vw = g.value.to(torch.float64) * g.weight
+            value_sum = vw if value_sum is None else value_sum + vw
+            local_weight = g.weight if local_weight is None else local_weight + g.weight
+            if g.aux is not None:
+                aux_sum = _add_weighted(aux_sum, g.aux, g.weight)
+            last = g
+        assert last is not None and value_sum is not None and local_weight is not None
+        grads = {
+            k: local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
+            for k, p in params.items()
+        }
+    finally:
+        root.set_requires_gradient_sync(True)
+        for k, p in params.items():
+            p.grad = saved[k]
+    ts = list(grads.values())
+    norms = torch._foreach_norm(ts) if ts else []
+    sumsq = torch.stack([x.to(torch.float64) for x in norms]).square().sum()
+    counts = window_counts(local_weight, value_sum, n, state.step, sumsq)
+    wait(
+        dist.all_reduce(counts, group=config.group, async_op=True),
+        config,
+        "the window's sample counts and gradient norm",
+    )
+    check_agreement(counts, config, n)
+    total, ranks = counts[0], counts[2]
+    assert into.first is not None
+    # The reduced gradient is sum_(r,i) w_ri * grad_ri * mult / (ranks * reference):
+    # FSDP2 averages over ranks. The window's mean is sum w * grad * mult / total.
+    divisor = total / (n * ranks * into.first.to(torch.float64))
+    dtype = ts[0].dtype if ts else torch.float32
+    torch._foreach_div_(ts, divisor.to(dtype))
+    norm = (counts[7].sqrt() / divisor).to(torch.float32)
+    if last.scale is not None:
+        norm = norm * reciprocal(last.scale)
+    aux = None
+    if aux_sum is not None:
+        aux = pytree.tree_map(lambda t: t / local_weight if _is_float(t) else t, aux_sum)
+    window = GradOut(
+        grads=grads,
+        value=(counts[1] / total).to(last.value.dtype),
+        weight=total.to(torch.float32),
+        aux=aux,
+        scale=last.scale,
+        norm=norm,
+        counted=last.counted,
+    )
+    apply = step.kernel("apply", lambda: functools.partial(apply_update, step))
+    return apply(state, skip_empty_window(window))  # type: ignore[no-any-return]
+
+
+def _add_weighted(total: Any, aux: Any, w: torch.Tensor) -> Any:
+    scaled = pytree.tree_map(lambda a: a * w if _is_float(a) else a, aux)
+    if total is None:
+        return scaled
+    return pytree.tree_map(lambda t, a: t + a if _is_float(a) else a, total, scaled)
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
