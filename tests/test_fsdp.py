@@ -1,0 +1,123 @@
+"""States sharded with FSDP2 (``fully_shard``) on gloo with 2 processes: one spawned
+group runs every check of tests/fsdp_worker.py (a group costs seconds to start), with a
+deadline so that a hang fails instead of stalling."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+import torch.multiprocessing as mp
+from fsdp_worker import CHECKS, run
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    ctx = mp.start_processes(
+        run, args=(2, _free_port(), str(out)), nprocs=2, join=False, start_method="spawn"
+    )
+    deadline_s = 420
+    start = time.monotonic()
+    while not ctx.join(timeout=5):
+        if time.monotonic() - start > deadline_s:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"the 2-rank group did not finish within {deadline_s} s (a hang)")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _get(results, name):
+    for r, res in enumerate(results):
+        assert "exception" not in res[name], f"rank {r}:\n{res[name].get('exception')}"
+    return [res[name] for res in results]
+
+
+EQUALS = [n for n in CHECKS if n.endswith(("_eager", "_compiled"))]
+
+
+@pytest.mark.parametrize("name", EQUALS)
+def test_a_sharded_run_equals_one_process_on_the_whole_batch(results, name):
+    """Each composition (with_amp bf16/fp16, grad_accumulate, clip_scaled,
+    skip_nonfinite, ema, the optimizers), eager and compiled; bounds from
+    tests/tolerance.py's rules (see fsdp_worker.check_equals_single_process)."""
+    mine, theirs = _get(results, name)
+    assert mine == theirs  # every rank holds the same full parameters and loss
+    assert mine["steps"] == 4
+    assert mine["diff"] <= mine["bound"], mine
+    assert mine["loss_diff"] <= mine["loss_bound"], mine
+    assert mine["norm_rel_diff"] <= mine["norm_bound"], mine  # AdamW and clip hide a scale
+    if "ema_diff" in mine:
+        assert mine["ema_diff"] <= mine["bound"], mine
+    if "scale" in mine:
+        assert mine["scale"] == mine["ref_scale"], mine
+
+
+def test_fsdp2_mixed_precision_policy_equals_the_plain_fsdp2_loop(results):
+    for r in _get(results, "mixed_precision_policy"):
+        assert r["diff"] <= r["bound"], r
+
+
+def test_per_rank_state_memory_is_half_of_the_replicated_one(results, capsys):
+    for rank, r in enumerate(_get(results, "memory")):
+        with capsys.disabled():
+            print(
+                f"\nrank {rank}: parameters + AdamW state {r['sharded_bytes']} bytes sharded, "
+                f"{r['replicated_bytes']} replicated: {r['ratio']:.4f} of it"
+            )
+        # Exactly FSDP2's rows of each parameter (ceil(d0 / 2) on rank 0), for the
+        # parameter and both AdamW moments; the replicated scalars (step, lr, betas)
+        # are all that is left.
+        assert r["shard_bytes"] == r["expected_shard_bytes"], r
+        assert r["ratio"] < 0.51, r
+        assert r["sharded_leaves"] == 3 * r["n_params"], r  # params, exp_avg, exp_avg_sq
+
+
+@pytest.mark.parametrize("kind", ["amp_fp16", "nonfinite"])
+def test_an_overflow_on_one_rank_skips_on_every_rank(results, kind):
+    for r in _get(results, "overflow"):
+        assert r[kind]["skipped"] and r[kind]["unchanged"], r
+        if kind == "amp_fp16":
+            assert r[kind]["scales"] == [32768.0, 32768.0], r  # backed off alike
+
+
+def test_the_gradients_are_reduced_once_per_window(results):
+    """3 microbatches, 3 FSDP units: one reduce-scatter per unit, on the last
+    microbatch only, and fasttorch's two small all-reduces."""
+    for r in _get(results, "collectives"):
+        for window in r["per_window"]:
+            assert window == {"all_reduce": 2, "reduce_scatter": r["units"]}, r
+
+
+def test_compiled_sharded_step_compiles_the_update_once_and_says_what_stays_eager(results):
+    for r in _get(results, "no_recompiles"):
+        assert r["recompiles"] == 0 and r["graph_breaks"] == 0, r
+        assert r["graphs"] == 1, r
+        assert len(r["warnings"]) == 1 and "forward and backward run eagerly" in r["warnings"][0]
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("no_sync_on_last", "sync_on_last"),
+        ("donate_false", "donate=False"),
+        ("across_calls", "across_calls=True"),
+        ("root_not_sharded", "fully_shard(model) on the root"),
+    ],
+)
+def test_misuse_is_a_clear_error_on_every_rank(results, case, words):
+    for r in _get(results, "errors"):
+        assert r[case] is not None and words in r[case], r
+
+
+def test_eval_step_and_apply_run_the_module_over_its_shards(results):
+    for r in _get(results, "eval"):
+        assert r["eval_diff"] <= r["bound"] and r["apply_diff"] <= r["bound"], r
