@@ -400,6 +400,77 @@ CHECKS = {
 }
 
 
+def check_cuda(rank, world, device_type="cuda"):
+    """On GPUs with NCCL (a GPU per rank): fp32 and bf16 compositions against one
+    process on the whole batch on the same device, and an fp16 overflow on the last
+    rank skipped by all."""
+    device = torch.device(device_type, rank if device_type == "cuda" else None)
+    rows = (16,) * world
+    out = {}
+    # bf16 eagerly: a compiled one process would run inductor's forward and backward
+    # kernels, which round differently from the sharded step's eager ones everywhere.
+    for kind, mode in (("accum", "compiled"), ("amp_bf16", "eager")):
+        data = [tuple(t.to(device) for t in b) for b in global_batches(STEPS, rows)]
+        ref_step, step = compose(kind, False, n=2 * world), compose(kind, True)
+        if mode == "compiled":
+            ref_step = fasttorch.compiled(ref_step)
+            step = fasttorch.compiled(step)
+        ref = fasttorch.TrainState.create(plain_model().to(device), OPTS["adamw"][0]())
+        for b in data:
+            ref, _ = ref_step(ref, b)
+        m = plain_model().to(device)
+        fully_shard(m.inp)
+        fully_shard(m.hidden)
+        fully_shard(m)
+        state = replicate(fasttorch.TrainState.create(m, OPTS["adamw"][0]()))
+        for b in data:
+            state, _ = step(state, shard(b, rank, rows))
+        error = reference_error(
+            plain_model(),
+            [list(zip(*(t.cpu().tensor_split(2 * world) for t in b))) for b in data],
+            make_opt=OPTS["adamw"][1],
+            clip=0.5,
+        )
+        mine = full(state, state.params)
+        out[kind] = {
+            "diff": max(float((mine[k] - ref.params[k]).abs().max()) for k in ref.params),
+            "bound": params_atol(
+                error.params, ref.params, precision=PRECISION.get(kind, "fp32"), steps=STEPS, lr=LR
+            ),
+        }
+    step = compose("amp_fp16", True)
+    m = plain_model().to(device)
+    fully_shard(m)
+    state = step.init(replicate(fasttorch.TrainState.create(m, OPTS["adamw"][0]())))
+    x, y = (t.to(device) for t in shard(global_batches(1, rows)[0], rank, rows))
+    if rank == world - 1:
+        x = x * float("inf")
+    state, metrics = step(state, (x, y))
+    out["overflow_skipped"] = bool(metrics["skipped"])
+    out["scale"] = float(state.substates["amp"].scale)
+    return out
+
+
+def run_cuda(rank, world, port, out_dir):
+    """The CUDA checks in a NCCL group of ``world`` ranks (tests/test_fsdp.py)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
+    setup("cuda")
+    try:
+        result = check_cuda(rank, world)
+    except Exception:
+        result = {"exception": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
 def run(rank, world, port, out_dir):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

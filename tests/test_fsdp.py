@@ -9,8 +9,9 @@ import socket
 import time
 
 import pytest
+import torch
 import torch.multiprocessing as mp
-from fsdp_worker import CHECKS, run
+from fsdp_worker import CHECKS, run, run_cuda
 
 
 def _free_port():
@@ -19,20 +20,23 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
+def _group(fn, world, out, deadline_s=420):
+    """Run ``fn(rank, world, port, out)`` in ``world`` spawned processes; their results."""
     ctx = mp.start_processes(
-        run, args=(2, _free_port(), str(out)), nprocs=2, join=False, start_method="spawn"
+        fn, args=(world, _free_port(), str(out)), nprocs=world, join=False, start_method="spawn"
     )
-    deadline_s = 420
     start = time.monotonic()
     while not ctx.join(timeout=5):
         if time.monotonic() - start > deadline_s:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail(f"the 2-rank group did not finish within {deadline_s} s (a hang)")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+            pytest.fail(f"the {world}-rank group did not finish within {deadline_s} s (a hang)")
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return _group(run, 2, tmp_path_factory.mktemp("fsdp"))
 
 
 def _get(results, name):
@@ -121,3 +125,15 @@ def test_misuse_is_a_clear_error_on_every_rank(results, case, words):
 def test_eval_step_and_apply_run_the_module_over_its_shards(results):
     for r in _get(results, "eval"):
         assert r["eval_diff"] <= r["bound"] and r["apply_diff"] <= r["bound"], r
+
+
+@pytest.mark.gpu
+def test_sharded_steps_on_gpus_with_nccl(tmp_path):
+    """A GPU per rank (2 where there are 2, else one rank): the sharded path's CUDA
+    side (NCCL collectives, no host-side agreement check, inductor's update graph)."""
+    world = min(2, torch.cuda.device_count())
+    for rank, r in enumerate(_group(run_cuda, world, tmp_path)):
+        assert "exception" not in r, f"rank {rank}:\n{r['exception']}"
+        for kind in ("accum", "amp_bf16"):
+            assert r[kind]["diff"] <= r[kind]["bound"], r
+        assert r["overflow_skipped"] and r["scale"] == 32768.0, r
