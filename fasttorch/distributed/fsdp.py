@@ -188,14 +188,17 @@ def run_sharded_window(
     check_agreement(counts, config, n)
     total, ranks = counts[0], counts[2]
     assert into.first is not None
-    # The reduced gradient is sum_(r,i) w_ri * grad_ri * mult / (ranks * reference):
-    # FSDP2 averages over ranks. The window's mean is sum w * grad * mult / total.
-    divisor = total / (n * ranks * into.first.to(torch.float64))
-    dtype = ts[0].dtype if ts else torch.float32
-    torch._foreach_div_(ts, divisor.to(dtype))
-    norm = (counts[7].sqrt() / divisor).to(torch.float32)
+    # The reduced gradient is sum_(r,i) w_ri * grad_ri * mult / (n * ranks * reference)
+    # (FSDP2 averages over ranks; mult is 1/n times any loss scale), the window's mean
+    # times the loss scale times total / (n * ranks * reference): a factor the shards
+    # carry to the update phase as their scale, which divides it out in the pass that
+    # unscales (fused into the update graph under compiled), not in a pass of its own.
+    # It is exactly 1 with equal weights.
+    factor = total / (n * ranks * into.first.to(torch.float64))
     if last.scale is not None:
-        norm = norm * reciprocal(last.scale)
+        factor = factor * last.scale.to(torch.float64)
+    scale = factor.to(torch.float32)
+    norm = counts[7].sqrt().to(torch.float32) * reciprocal(scale)
     aux = None
     if aux_sum is not None:
         aux = pytree.tree_map(lambda t: t / local_weight if _is_float(t) else t, aux_sum)
@@ -204,7 +207,7 @@ def run_sharded_window(
         value=(counts[1] / total).to(last.value.dtype),
         weight=total.to(torch.float32),
         aux=aux,
-        scale=last.scale,
+        scale=scale,
         norm=norm,
         counted=last.counted,
     )
