@@ -54,8 +54,36 @@ def plain_model(width=32):
     return LayerNormNet(width=width)
 
 
-def sharded_model(width=32, **kwargs):
-    m = plain_model(width)
+class Block(torch.nn.Module):
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.lin = torch.nn.Linear(d_in, d_out)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class BlockNet(torch.nn.Module):
+    """Two blocks of the user's own code (what torchtitan compiles one by one)."""
+
+    def __init__(self, width=32):
+        super().__init__()
+        self.inp, self.hidden, self.out = Block(8, width), Block(width, width), Block(width, 4)
+
+    def forward(self, x):
+        return self.out(self.hidden(self.inp(x)))
+
+
+def block_model(width=32):
+    torch.manual_seed(0)
+    return BlockNet(width)
+
+
+def sharded_model(width=32, compile_blocks=False, **kwargs):
+    m = block_model(width) if compile_blocks else plain_model(width)
+    if compile_blocks:  # as torchtitan does: each block compiled, then sharded
+        m.inp.compile(backend="aot_eager", fullgraph=True)
+        m.hidden.compile(backend="aot_eager", fullgraph=True)
     fully_shard(m.inp, **kwargs)
     fully_shard(m.hidden, **kwargs)
     fully_shard(m, **kwargs)  # the root: norm and out
@@ -122,18 +150,20 @@ def check_equals_single_process(rank, kind, mode, opt="adamw"):
     data = global_batches(STEPS, rows)
     ref_step = compose(kind, False, n=4 if half else 2)
     step = compose(kind, True)
-    if mode == "compiled":
+    if mode.startswith("compiled"):
         ref_step = fasttorch.compiled(ref_step, backend="aot_eager", dynamic=False)
         step = fasttorch.compiled(step, backend="aot_eager", dynamic=False)
-    ref = fasttorch.TrainState.create(plain_model(), make_opt())
+    make_model = block_model if mode == "compiled_blocks" else plain_model
+    ref = fasttorch.TrainState.create(make_model(), make_opt())
     for b in data:
         ref, ref_m = ref_step(ref, b)
-    state = replicate(fasttorch.TrainState.create(sharded_model(), make_opt()))
+    model = sharded_model(compile_blocks=mode == "compiled_blocks")
+    state = replicate(fasttorch.TrainState.create(model, make_opt()))
     for b in data:
         state, m = step(state, shard(b, rank, rows))
     # Rule 2 (and 4 under autocast): the fp32 loop's own error against float64.
     error = reference_error(
-        plain_model(),
+        make_model(),
         [list(zip(*(t.tensor_split(2) for t in b))) for b in data],
         make_opt=torch_opt,
         clip=0.5,
@@ -391,6 +421,7 @@ CHECKS = {
         for opt in ("sgd", "torch_adamw")
         for mode in ("eager", "compiled")
     },
+    "accum_compiled_blocks": lambda r: check_equals_single_process(r, "accum", "compiled_blocks"),
     "mixed_precision_policy": check_mixed_precision_policy,
     "memory": check_memory,
     "overflow": check_overflow_on_one_rank,

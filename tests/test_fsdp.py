@@ -45,7 +45,7 @@ def _get(results, name):
     return [res[name] for res in results]
 
 
-EQUALS = [n for n in CHECKS if n.endswith(("_eager", "_compiled"))]
+EQUALS = [n for n in CHECKS if n.endswith(("_eager", "_compiled", "_compiled_blocks"))]
 
 
 @pytest.mark.parametrize("name", EQUALS)
