@@ -2,8 +2,9 @@
 
 ``setup()`` joins the group torchrun describes, ``replicate(state)`` makes every rank
 start from rank 0's tensors with its own RNG, and ``sync_on_last(step)`` reduces the
-gradients of each accumulation window across ranks, overlapping backward. See
-docs/distributed.md.
+gradients of each accumulation window across ranks, overlapping backward. A state whose
+module FSDP2 sharded (``torch.distributed.fsdp.fully_shard``) trains with the same
+``sync_on_last``. See docs/distributed.md.
 """
 
 from fasttorch.distributed.reducer import DistributedStepError

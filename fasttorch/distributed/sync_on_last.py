@@ -90,6 +90,11 @@ def sync_on_last(
     ``grad_accumulate`` it reduces every step. An inf/NaN on any rank reaches every
     rank's sum, so with fp16 every rank skips the step and backs off the scale alike.
 
+    A state sharded with FSDP2 (its module passed through ``fully_shard``) trains
+    with the same transform: FSDP2 all-gathers and reduce-scatters, once per window on
+    the last microbatch, and every rank agrees on the global norm, so clipping and
+    skipping act alike everywhere (docs/distributed.md, "Sharding").
+
     Equivalent to (DDP, equal shards)::
 
         for i, micro in enumerate(microbatches):
