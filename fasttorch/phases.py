@@ -117,9 +117,14 @@ def loss_phase(loss_fn: LossFn) -> LossPhase:
 
     def loss(state: TrainState, params: Tensors, buffers: Tensors, batch: Batch) -> Loss:
         def apply(*args: Any, **kwargs: Any) -> Any:
-            # The module's own tensors (a sharded state's are its shards): call it as is.
+            # The module's own tensors (a sharded state's are its shards, and a sharded
+            # state never runs in a graph: FSDP2's hooks cannot): call it as is.
             own = type(params) is ModuleTensors
-            if own or (params is state.params and is_sharded(state.module)):
+            if own or (
+                not torch.compiler.is_compiling()
+                and is_sharded(state.module)
+                and params is state.params
+            ):
                 return state.module(*args, **kwargs)
             return functional_call(state.module, (params, buffers), args, kwargs)
 

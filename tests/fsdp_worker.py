@@ -402,7 +402,13 @@ def check_eval_and_apply(rank):
     plain.load_state_dict(full(state, state.params))
     x, y = data[2]
     got = fasttorch.eval_step(fasttorch.step(mse))(state, (x, y))["loss"]
+    fn = fasttorch.compiled(fasttorch.eval_step(fasttorch.step(mse)), backend="aot_eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled_got = fn(state, (x, y))["loss"]
     return {
+        "compiled_eval_equal": bool(torch.equal(compiled_got, got)),
+        "compiled_eval_warned": any("runs eagerly" in str(w.message) for w in caught),
         "eval_diff": abs(float(got) - float(mse(plain, (x, y)))),
         "apply_diff": float((state.apply(x) - plain(x)).abs().max()),
         "bound": 4 * torch.finfo(torch.float32).eps * float(mse(plain, (x, y))),

@@ -23,7 +23,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fasttorch import _compat
-from fasttorch.state import TrainState
+from fasttorch.state import TrainState, is_sharded
 from fasttorch.steps import Step, check_wrap, warn_once
 from fasttorch.transforms._cpu_gemm import CpuGemm, HalfGemmInFloat32, half_gemm_dtypes
 
@@ -128,6 +128,14 @@ def compiled(
 
     @functools.wraps(step)
     def run(state: Any, batch: Any) -> Any:
+        if isinstance(state, TrainState) and is_sharded(state.module):
+            warn_once(
+                f"compiled({getattr(step, '__name__', 'fn')}): the state is sharded with "
+                "FSDP2, whose hooks run outside any graph, so this function runs eagerly. "
+                "Compile the model's blocks before fully_shard (block.compile()) to compile "
+                "their forward"
+            )
+            return step(state, batch)
         return fn(state, batch)
 
     run.__fasttorch_compiled__ = True  # type: ignore[attr-defined]
