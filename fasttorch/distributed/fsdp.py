@@ -177,8 +177,9 @@ def run_sharded_window(
         for k, p in params.items():
             p.grad = saved[k]
     ts = list(grads.values())
-    norms = torch._foreach_norm(ts) if ts else []
-    sumsq = torch.stack([x.to(torch.float64) for x in norms]).square().sum()
+    # One kernel per step of this, not per tensor: on a GPU each launch costs more than
+    # the arithmetic of a norm.
+    sumsq = torch.stack(torch._foreach_norm(ts)).to(torch.float64).square().sum()
     counts = window_counts(local_weight, value_sum, n, state.step, sumsq)
     wait(
         dist.all_reduce(counts, group=config.group, async_op=True),
