@@ -28,7 +28,7 @@ from torch.func import functional_call
 
 from fasttorch import _compat, _scope, struct
 from fasttorch.optim._base import computed_once, in_cpu_graph
-from fasttorch.state import TrainState, is_sharded
+from fasttorch.state import TrainState, is_sharded, reshard
 
 __all__ = [
     "BUFFERS_KEY",
@@ -125,7 +125,12 @@ def loss_phase(loss_fn: LossFn) -> LossPhase:
                 and is_sharded(state.module)
                 and params is state.params
             ):
-                return state.module(*args, **kwargs)
+                out = state.module(*args, **kwargs)
+                if not own and not torch.is_grad_enabled():
+                    # No backward will come to reshard the root (evaluation): do it now,
+                    # so the module holds the state's shards again, not a full copy.
+                    reshard(state.module)
+                return out
             return functional_call(state.module, (params, buffers), args, kwargs)
 
         if torch.compiler.is_compiling():

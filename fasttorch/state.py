@@ -20,7 +20,7 @@ from fasttorch._rng import initial_rng_state
 if TYPE_CHECKING:
     from fasttorch.optim import Optimizer, OptState
 
-__all__ = ["DonatedStateError", "TrainState", "is_sharded", "local_tensor"]
+__all__ = ["DonatedStateError", "TrainState", "is_sharded", "local_tensor", "reshard"]
 
 _DONATED = "_fasttorch_donated"
 _FAILED = "_fasttorch_failed"
@@ -171,6 +171,7 @@ class TrainState(struct.Record):
                 )
         finally:
             self.module.train(was_training)
+            reshard(self.module)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Parameters and buffers keyed like ``module.state_dict()``, for export."""
@@ -202,6 +203,20 @@ def is_sharded(module: nn.Module) -> bool:
     if found is None:
         found = _SHARDED[module] = any(isinstance(m, FSDPModule) for m in module.modules())
     return found
+
+
+def reshard(module: nn.Module) -> None:
+    """Free the unsharded parameters FSDP2 still holds for ``module`` (no-op otherwise).
+
+    After a forward without backward (evaluation, ``TrainState.apply``, sampling),
+    FSDP2 keeps the root's parameters unsharded, waiting for a backward that never
+    comes: the module's parameters are then plain tensors, not the state's shards.
+    Resharding puts the shards (the state's own storage) back and frees the rest.
+    """
+    if is_sharded(module):
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
 
 _SHARDED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(__file__))
 from reference import LayerNormNet, mse
@@ -388,6 +389,11 @@ def check_errors(rank):
     out["root_not_sharded"] = error(
         sync_on_last(fasttorch.step(mse)), fasttorch.TrainState.create(m, fasttorch.optim.adamw(LR))
     )
+    s = new()  # new tensors, not the module's shards (a load without inplace=True)
+    out["not_module_storage"] = error(
+        sync_on_last(fasttorch.step(mse)),
+        s.replace(params={k: v.clone() for k, v in s.params.items()}),
+    )
     return out
 
 
@@ -401,17 +407,37 @@ def check_eval_and_apply(rank):
     plain = plain_model()
     plain.load_state_dict(full(state, state.params))
     x, y = data[2]
+    leaves = len(sharded_leaves(state))
     got = fasttorch.eval_step(fasttorch.step(mse))(state, (x, y))["loss"]
+    # A forward with no backward leaves FSDP2's root unsharded; the module must hold
+    # the state's shards again after each of these (no full copy kept, nothing missed).
+    resharded = [all(isinstance(p, DTensor) for p in state.module.parameters())]
     fn = fasttorch.compiled(fasttorch.eval_step(fasttorch.step(mse)), backend="aot_eager")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled_got = fn(state, (x, y))["loss"]
+    resharded.append(all(isinstance(p, DTensor) for p in state.module.parameters()))
+    apply_diff = float((state.apply(x) - plain(x)).abs().max())
+    resharded.append(all(isinstance(p, DTensor) for p in state.module.parameters()))
+    with torch.no_grad():  # the user's own forward (sampling): the next step reshards
+        state.module(x)
+    leaves_after = len(sharded_leaves(state))
+    # Training goes on after all this exactly as it would have without it.
+    state, _ = step(state, shard(data[2], rank))
+    other = replicate(fasttorch.TrainState.create(sharded_model(), fasttorch.optim.adamw(LR)))
+    for b in data:
+        other, _ = step(other, shard(b, rank))
     return {
         "compiled_eval_equal": bool(torch.equal(compiled_got, got)),
         "compiled_eval_warned": any("runs eagerly" in str(w.message) for w in caught),
         "eval_diff": abs(float(got) - float(mse(plain, (x, y)))),
-        "apply_diff": float((state.apply(x) - plain(x)).abs().max()),
+        "apply_diff": apply_diff,
         "bound": 4 * torch.finfo(torch.float32).eps * float(mse(plain, (x, y))),
+        "resharded": resharded,
+        "leaves": [leaves, leaves_after],
+        "then_trains_the_same": all(
+            torch.equal(state.params[k], other.params[k]) for k in state.params
+        ),
     }
 
 

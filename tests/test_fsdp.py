@@ -105,7 +105,10 @@ def test_compiled_sharded_step_compiles_the_update_once_and_says_what_stays_eage
     for r in _get(results, "no_recompiles"):
         assert r["recompiles"] == 0 and r["graph_breaks"] == 0, r
         assert r["graphs"] == 1, r
-        assert len(r["warnings"]) == 1 and "forward and backward run eagerly" in r["warnings"][0]
+        assert (
+            len(r["warnings"]) == 1
+            and "the forward and backward run as the module runs them: eagerly" in r["warnings"][0]
+        )
 
 
 @pytest.mark.parametrize(
@@ -115,6 +118,7 @@ def test_compiled_sharded_step_compiles_the_update_once_and_says_what_stays_eage
         ("donate_false", "donate=False"),
         ("across_calls", "across_calls=True"),
         ("root_not_sharded", "fully_shard(model) on the root"),
+        ("not_module_storage", "inplace=True"),
     ],
 )
 def test_misuse_is_a_clear_error_on_every_rank(results, case, words):
@@ -127,6 +131,16 @@ def test_eval_step_and_apply_run_the_module_over_its_shards(results):
         assert r["eval_diff"] <= r["bound"] and r["apply_diff"] <= r["bound"], r
         # compiled(eval_step): FSDP2's hooks cannot be in a graph, so it runs eagerly, said
         assert r["compiled_eval_equal"] and r["compiled_eval_warned"], r
+
+
+def test_a_forward_without_backward_leaves_the_module_on_its_shards(results):
+    # eval_step, state.apply and the user's own no-grad forward: FSDP2 keeps the root
+    # unsharded after them; the module holds the state's shards again and training
+    # goes on as if they had not run.
+    for r in _get(results, "eval"):
+        assert r["resharded"] == [True, True, True], r
+        assert r["leaves"][0] == r["leaves"][1] > 0, r
+        assert r["then_trains_the_same"], r
 
 
 @pytest.mark.gpu

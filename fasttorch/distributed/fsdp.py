@@ -42,14 +42,18 @@ from fasttorch.distributed.reducer import (
     window_counts,
 )
 from fasttorch.phases import Batch, GradOut, IntoGrad, Metrics, reciprocal, skip_empty_window
-from fasttorch.state import TrainState, local_tensor
+from fasttorch.state import TrainState, local_tensor, reshard
 from fasttorch.steps import Step, apply_update, warn_once
 
 __all__ = ["as_dtensor", "run_sharded_window", "sharded_leaves", "sharded_parameters"]
 
 
 def sharded_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The module's trainable parameters by name (``DTensor``s where FSDP2 sharded them)."""
+    """The module's trainable parameters by name (``DTensor``s where FSDP2 sharded them).
+
+    FSDP2 modules left unsharded by a forward without backward are resharded first.
+    """
+    reshard(module)
     return {k: p for k, p in module.named_parameters() if p.requires_grad}
 
 
@@ -62,6 +66,7 @@ def sharded_leaves(state: TrainState) -> dict[int, DTensor]:
     (``opt_state/slots/exp_avg/name``, ``substates/ema/params/name``). Each maps to
     the parameter, whose mesh, placements and global shape describe it.
     """
+    reshard(state.module)
     by_name = {k: p for k, p in state.module.named_parameters() if isinstance(p, DTensor)}
     if not by_name:
         return {}
@@ -132,12 +137,29 @@ def _check(config: SyncConfig, step: Step, state: TrainState) -> list[Any]:
     if not step.is_eager:
         warn_once(
             "compiled: the state is sharded with FSDP2, whose hooks run outside any "
-            "graph, so the forward and backward run eagerly and the update (unscale, "
-            "clip, optimizer, EMA) is one compiled graph. Compile the model's blocks "
-            "before fully_shard (block.compile(), as torchtitan does) to compile the "
-            'forward and backward too: docs/distributed.md, "Sharding"'
+            "graph, so compiled compiles the update only (unscale, clip, optimizer, EMA: "
+            "one graph); the forward and backward run as the module runs them: eagerly, "
+            "unless its blocks were compiled before fully_shard (block.compile(), as "
+            'torchtitan does): docs/distributed.md, "Sharding"'
         )
     return roots
+
+
+def _check_storage(step: Step, state: TrainState, params: dict[str, torch.Tensor]) -> None:
+    """Raise unless ``state.params`` are the module's own shards (what FSDP2 gathers)."""
+    for k, p in params.items():
+        mine = state.params.get(k)
+        if mine is None or mine.data_ptr() != local_tensor(p).data_ptr():
+            raise ValueError(
+                f"step {step.name!r}: the state's parameter {k!r} is not the module's own "
+                "shard. FSDP2 all-gathers the module's shards for every forward, so a "
+                "sharded state must hold them (the same storage), or its updates would "
+                "never reach the model. This happens with a state loaded by "
+                "fasttorch.checkpoint.load(path, template) without inplace=True, or built "
+                "before fully_shard. Load with checkpoint.load(path, template, "
+                "inplace=True), or build the state with TrainState.create(model, ...) "
+                "after fully_shard"
+            )
 
 
 def run_sharded_window(
@@ -147,6 +169,7 @@ def run_sharded_window(
     roots = _check(config, step, state)
     root = roots[0]
     params = sharded_parameters(state.module)
+    _check_storage(step, state, params)
     n = len(micro)
     into = _ShardedInto(config)
     saved = {k: p.grad for k, p in params.items()}
