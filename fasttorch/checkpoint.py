@@ -11,7 +11,12 @@ Keys are clean paths into the state: ``params/inp.weight``,
 ``opt_state/slots/exp_avg/inp.weight``, ``substates/amp/scale`` (no ``_orig_mod.`` or
 ``module.``). Values that differ between ranks are stored per rank under
 ``rank{r}/...``: the RNG, an open accumulation window and the user's ``data``; DCP
-would otherwise keep one rank's value for a shared key, silently.
+would otherwise keep one rank's value for a shared key, silently. In a state sharded
+with FSDP2 (``fully_shard``) the shards of a parameter, and of what the optimizer and
+EMA keep for it, are given to DCP as ``DTensor``s: each rank writes its part of the
+whole tensor under the one key, and a load reads the part its template holds, so a
+checkpoint saved on N ranks loads on M, sharded or not. The manifest lists those keys
+(``sharded``) and gives every entry's whole shape.
 
 Loading never runs code from the checkpoint directory: the user's ``data`` is JSON,
 DCP's pickled ``.metadata`` is read by an unpickler that admits only DCP's own
@@ -49,9 +54,12 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import load as _dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from fasttorch import _compat, struct
-from fasttorch.state import TrainState, check_alive, mark_donated
+from fasttorch.distributed.fsdp import as_dtensor, sharded_leaves
+from fasttorch.state import TrainState, check_alive, is_sharded, mark_donated
 from fasttorch.transforms.grad_accumulate import KEY as ACCUM_KEY
 
 __all__ = [
@@ -227,8 +235,34 @@ def _flatten(state: TrainState) -> tuple[list[str], list[Any], Any]:
     return keys, leaves, spec
 
 
-def _describe(t: torch.Tensor) -> dict[str, Any]:
-    return {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+def _describe(t: torch.Tensor, like: DTensor | None = None) -> dict[str, Any]:
+    """Shape and dtype of an entry; of the whole tensor for a shard laid out as ``like``."""
+    shape = t.shape if like is None else like.shape
+    return {"shape": list(shape), "dtype": str(t.dtype).removeprefix("torch.")}
+
+
+def _class_name(module: torch.nn.Module) -> str:
+    """The model's class name; the user's own under FSDP2's ``FSDP<Name>`` subclass."""
+    mro = type(module).__mro__
+    return next(c for c in mro if not issubclass(c, FSDPModule)).__name__
+
+
+def _shards(state: TrainState, keys: list[str]) -> dict[int, DTensor]:
+    """The leaves of a sharded state that are FSDP2 shards, by index (none if replicated).
+
+    Each maps to its module parameter, whose mesh, placements and global shape DCP
+    needs to write the shard under the whole tensor's key, or to read this rank's part
+    of it. The FSDP2 modules are resharded first: after a forward without gradients
+    (``state.apply``, ``eval_step``) the root can hold its parameters unsharded, and
+    its ``named_parameters`` are then plain whole tensors, not the ``DTensor`` shards.
+    A per-rank entry (an open accumulation window) is saved as this rank's own.
+    """
+    if not is_sharded(state.module):
+        return {}
+    for m in state.module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    return {i: p for i, p in sharded_leaves(state).items() if not _is_per_rank(keys[i])}
 
 
 # --------------------------------------------------------------------------- statics
@@ -653,9 +687,13 @@ def _plan(
     with _as_checkpoint_error(f"{api} of {str(d / name)!r}"):
         token = _broadcast(token, pg)
     tmp = d / f"{_TMP}{name}.{token}"
+    shards = _shards(state, keys)
     tensors: dict[str, Any] = {}
-    for key, leaf in zip(keys, leaves):
-        tensors[f"rank{rank}/{key}" if _is_per_rank(key) else key] = leaf.detach()
+    for i, (key, leaf) in enumerate(zip(keys, leaves)):
+        if i in shards:  # DCP writes this rank's part of the whole tensor under its key
+            tensors[key] = as_dtensor(leaf.detach(), shards[i])
+        else:
+            tensors[f"rank{rank}/{key}" if _is_per_rank(key) else key] = leaf.detach()
     tensors[f"rank{rank}/{_DATA}"] = blob
     statics: dict[str, Any] = {}
     _statics(state, "", statics)
@@ -664,11 +702,12 @@ def _plan(
         "step": step,
         "micro": micro,
         "world_size": world,
-        "module": type(state.module).__name__,
+        "module": _class_name(state.module),
         "optimizer": type(state.optimizer).__name__,
         "statics": statics,
-        "entries": {k: _describe(t) for k, t in zip(keys, leaves)},
+        "entries": {k: _describe(t, shards.get(i)) for i, (k, t) in enumerate(zip(keys, leaves))},
         "per_rank": [k for k in keys if _is_per_rank(k)],
+        "sharded": [keys[i] for i in sorted(shards)],
     }
     return _Plan(d / name, tmp, tensors, manifest, keep_last)
 
@@ -765,7 +804,9 @@ def save(
     written as ``directory/.tmp.<name>.<id>`` and renamed to ``directory/<name>`` only
     once complete, so an interrupted save (even ``kill -9``) leaves earlier checkpoints
     untouched and is never returned by :func:`latest`. Call it between steps, on every
-    rank of a distributed job (a collective).
+    rank of a distributed job (a collective). In a state sharded with FSDP2 each rank
+    writes its shards as parts of the whole tensors, so the checkpoint loads on any
+    number of ranks, sharded or not (see :func:`load`).
 
     Args:
         directory: where checkpoints live (created if needed; shared by all ranks).
@@ -838,6 +879,10 @@ _pending: list[SaveHandle] = []
 
 
 def _stage(t: Any) -> Any:
+    if isinstance(t, DTensor):
+        if t.device.type == "cpu":
+            return as_dtensor(t.to_local().clone(), t)
+        return t.to("cpu")  # a DTensor whose shard is in host memory, laid out as t
     if not isinstance(t, torch.Tensor):
         return t
     if t.device.type == "cpu":
@@ -1011,25 +1056,38 @@ def _shape(info: dict[str, Any]) -> str:
     return f"{tuple(info['shape'])} {info['dtype']}"
 
 
-def _check_fit(manifest: dict[str, Any], keys: list[str], leaves: list[Any], where: str) -> None:
+def _check_fit(
+    manifest: dict[str, Any],
+    keys: list[str],
+    leaves: list[Any],
+    where: str,
+    shards: dict[int, DTensor],
+) -> None:
+    """Every entry of the template in the checkpoint, with its (global) shape and dtype."""
     saved: dict[str, Any] = manifest["entries"]
     origin = (
         f"(the checkpoint holds a {manifest['module']} trained by {manifest['optimizer']}; "
         "build the template the same way: model, optimizer, and step.init(...) of the "
         "same transforms)"
     )
-    for key, leaf in zip(keys, leaves):
-        mine = _describe(leaf)
+    was_sharded = set(manifest.get("sharded", ()))
+    for i, (key, leaf) in enumerate(zip(keys, leaves)):
+        mine = _describe(leaf, shards.get(i))
         if key not in saved:
             raise CheckpointMismatchError(
                 f"checkpoint {where} does not fit the template: the template's entry "
                 f"{key!r} ({_shape(mine)}) is not in the checkpoint {origin}"
             )
         if saved[key] != mine:
+            whole = (
+                " (whole-tensor shapes: the entry is sharded there, here, or both)"
+                if i in shards or key in was_sharded
+                else ""
+            )
             raise CheckpointMismatchError(
                 f"checkpoint {where} does not fit the template: entry {key!r} has "
                 f"{_shape(saved[key])} in the checkpoint but {_shape(mine)} in the "
-                f"template {origin}"
+                f"template{whole} {origin}"
             )
     extra = [k for k in saved if k not in set(keys)]
     if extra:
@@ -1060,13 +1118,20 @@ def load(
     cannot be split across a new number of ranks. Loading never runs code from the
     checkpoint (see the module's notes), unless ``trust_pickled``.
 
+    A template sharded with FSDP2 (``fully_shard``) gets this rank's part of each
+    saved tensor, whether the checkpoint was saved by one process or by any number
+    of sharded ranks (shapes are compared whole), and needs ``inplace=True``: FSDP2
+    all-gathers the module's own shards, so the values must land there.
+
     Args:
         path: a checkpoint directory (see :func:`latest`).
         template: the state to fill; left untouched unless ``inplace``.
         inplace: copy the loaded values into the template's own tensors (which the
             module shares, so the module follows) and mark the template donated, as
-            a step does. The values are read into CPU memory first and copied only
-            once all of them were read: a failed load leaves the template as it was.
+            a step does. The values are read into CPU memory first (a sharded
+            state's shards: into scratch on their own device) and copied only once
+            all of them were read: a failed load leaves the template as it was.
+            Required for a sharded template.
         verify_hashes: also check each file's SHA-256 (sizes are always checked).
         trust_pickled: read DCP's ``.metadata`` with plain ``pickle`` and, in a
             format-1 checkpoint (fasttorch before JSON ``data``), unpickle ``data``.
@@ -1080,7 +1145,8 @@ def load(
         CheckpointError: missing, incomplete, truncated, corrupted or unsafe
             checkpoint, or a failed read (on any rank).
         CheckpointMismatchError: it does not fit ``template`` (names the first entry
-            that differs, with both shapes).
+            that differs, with both shapes; whole-tensor shapes for shards).
+        ValueError: ``template`` is sharded and ``inplace`` is False.
 
     Example:
         >>> import tempfile, torch, fasttorch
@@ -1095,6 +1161,15 @@ def load(
     p = Path(path)
     rank, world = _rank_world()
     keys, leaves, spec = _flatten(template)
+    if is_sharded(template.module) and not inplace:
+        raise ValueError(
+            f"checkpoint.load of {str(p)!r}: the template is sharded with FSDP2 "
+            "(fully_shard), and inplace=False would return a state over new tensors. "
+            "FSDP2 all-gathers the module's own shards for every forward, so training "
+            "such a state would update tensors the module never reads. Pass "
+            "inplace=True: the checkpoint is read into the module's own shards"
+        )
+    shards = _shards(template, keys)
     data_key = f"rank{rank}/{_DATA}"
     names: dict[str, str] = {}  # template key -> checkpoint key, for the entries read
     data_shape: list[int] | None = None
@@ -1102,7 +1177,7 @@ def load(
     problem: CheckpointError | None = None
     try:
         manifest = verify(p, hashes=verify_hashes)
-        _check_fit(manifest, keys, leaves, repr(str(p)))
+        _check_fit(manifest, keys, leaves, repr(str(p)), shards)
         saved_world = int(manifest["world_size"])
         fresh_rank = rank >= saved_world
         if fresh_rank and manifest["micro"]:
@@ -1140,13 +1215,20 @@ def load(
         _agree(problem, "checkpoint.load")
     assert reader is not None
     # Read into fresh tensors (on CPU for inplace): nothing the caller holds changes
-    # unless every value was read.
-    scratch = {
-        key: torch.empty_like(t, device="cpu") if inplace else torch.empty_like(t)
-        for key, t in zip(keys, leaves)
-        if key in names
-    }
-    request: dict[str, Any] = {names[k]: t for k, t in scratch.items()}
+    # unless every value was read. A shard is read through a DTensor over its scratch
+    # (on the shard's device, where its mesh is), so DCP fetches this rank's part of
+    # the whole tensor, whatever the number of ranks that saved it.
+    scratch: dict[str, torch.Tensor] = {}
+    request: dict[str, Any] = {}
+    for i, (key, t) in enumerate(zip(keys, leaves)):
+        if key not in names:
+            continue
+        if i in shards:
+            scratch[key] = torch.empty_like(t)
+            request[names[key]] = as_dtensor(scratch[key], shards[i])
+        else:
+            scratch[key] = torch.empty_like(t, device="cpu") if inplace else torch.empty_like(t)
+            request[names[key]] = scratch[key]
     kept = [k for k in keys if k not in names]
     if kept:
         warnings.warn(

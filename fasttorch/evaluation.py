@@ -8,13 +8,19 @@ module in evaluation mode, optionally on the EMA weights. Metrics stay on the de
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+try:  # torch.distributed can be left out of a build (USE_DISTRIBUTED=0)
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover
+    FSDPModule = ()  # type: ignore[assignment,misc]
+
 from fasttorch import struct
-from fasttorch.phases import Batch, LossFn, LossPhase, Metrics
-from fasttorch.state import TrainState, check_alive
+from fasttorch.phases import Batch, LossFn, LossPhase, Metrics, Tensors
+from fasttorch.state import TrainState, check_alive, is_sharded
 from fasttorch.steps import Step
 from fasttorch.steps import step as make_step
 from fasttorch.transforms.ema import KEY as EMA_KEY
@@ -45,7 +51,10 @@ def eval_step(step_or_loss_fn: Step | LossFn, *, use_ema: bool = False) -> EvalF
         step_or_loss_fn: a :class:`fasttorch.Step` (uncompiled: compile the
             evaluation itself), or a loss function ``(apply, batch) -> loss``.
         use_ema: evaluate the averaged parameters of ``fasttorch.ema`` (from
-            ``state.substates["ema"]``) instead of ``state.params``.
+            ``state.substates["ema"]``) instead of ``state.params``. On a state
+            sharded with FSDP2 the averages' shards are copied into the module's
+            own for the forward and the parameters' copied back after it (bitwise),
+            which takes one more copy of this rank's parameter shards.
 
     Returns:
         The evaluation function, named after the step.
@@ -100,7 +109,11 @@ def eval_step(step_or_loss_fn: Step | LossFn, *, use_ema: bool = False) -> EvalF
         module.eval()
         try:
             with torch.no_grad():
-                out = loss(state, params, state.buffers, batch)
+                if use_ema and not torch.compiler.is_compiling() and is_sharded(module):
+                    with _averages_in_shards(state, params):
+                        out = loss(state, state.params, state.buffers, batch)
+                else:
+                    out = loss(state, params, state.buffers, batch)
         finally:
             module.train(was_training)
         metrics: Metrics = {"loss": out.value, "weight": out.weight}
@@ -110,6 +123,34 @@ def eval_step(step_or_loss_fn: Step | LossFn, *, use_ema: bool = False) -> EvalF
 
     evaluate.__name__ = evaluate.__qualname__ = name
     return evaluate
+
+
+@contextlib.contextmanager
+def _averages_in_shards(state: TrainState, averages: Tensors) -> Iterator[None]:
+    """The EMA's shards in the module's own, the parameters' back afterwards (bitwise).
+
+    A sharded module runs over its own storage (FSDP2 all-gathers it), which is
+    ``state.params``: the averages are copied in, and the parameters back out even if
+    the forward raised. Its FSDP2 modules are resharded before (a root left unsharded
+    by an earlier forward would not all-gather the averages) and after (so that no
+    later forward reads the averages from an unsharded root).
+    """
+    names = list(state.params)
+    shards = [state.params[k] for k in names]
+    saved = [t.clone() for t in shards]
+    _reshard(state.module)
+    torch._foreach_copy_(shards, [averages[k] for k in names])
+    try:
+        yield
+    finally:
+        _reshard(state.module)
+        torch._foreach_copy_(shards, saved)
+
+
+def _reshard(module: torch.nn.Module) -> None:
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 class Mean(struct.Record):
