@@ -259,9 +259,6 @@ def _shards(state: TrainState, keys: list[str]) -> dict[int, DTensor]:
     """
     if not is_sharded(state.module):
         return {}
-    for m in state.module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
     return {i: p for i, p in sharded_leaves(state).items() if not _is_per_rank(keys[i])}
 
 

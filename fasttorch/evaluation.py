@@ -13,14 +13,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-try:  # torch.distributed can be left out of a build (USE_DISTRIBUTED=0)
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # pragma: no cover
-    FSDPModule = ()  # type: ignore[assignment,misc]
-
 from fasttorch import struct
 from fasttorch.phases import Batch, LossFn, LossPhase, Metrics, Tensors
-from fasttorch.state import TrainState, check_alive, is_sharded
+from fasttorch.state import TrainState, check_alive, is_sharded, reshard
 from fasttorch.steps import Step
 from fasttorch.steps import step as make_step
 from fasttorch.transforms.ema import KEY as EMA_KEY
@@ -138,19 +133,13 @@ def _averages_in_shards(state: TrainState, averages: Tensors) -> Iterator[None]:
     names = list(state.params)
     shards = [state.params[k] for k in names]
     saved = [t.clone() for t in shards]
-    _reshard(state.module)
+    reshard(state.module)
     torch._foreach_copy_(shards, [averages[k] for k in names])
     try:
         yield
     finally:
-        _reshard(state.module)
+        reshard(state.module)
         torch._foreach_copy_(shards, saved)
-
-
-def _reshard(module: torch.nn.Module) -> None:
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
 
 
 class Mean(struct.Record):
