@@ -5,6 +5,7 @@ Nothing here is a performance claim: the smoke run's numbers mean nothing.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -96,6 +97,74 @@ def test_smoke_run_writes_the_document(tmp_path):
     assert "torch " in text and "date:" in text
     assert "| B0 |" in text and "| F0 |" in text
     assert "not run: no GPU" in text or "GPU:" in text
+
+
+DISTRIBUTED = [
+    "DDP no_sync",
+    "fasttorch reducer",
+    "fasttorch reducer, compiled",
+    "FSDP2 loop, reshard=False",
+    "fasttorch FSDP2, reshard=True",
+    "fasttorch FSDP2, reshard=False",
+    "fasttorch FSDP2, reshard=True, compiled",
+    "fasttorch FSDP2, reshard=False, compiled",
+    "fasttorch FSDP2, reshard=False, compiled + blocks compiled",
+]
+
+
+def test_distributed_smoke_run_measures_every_variant(tmp_path):
+    """``python -m benchmarks.distributed --smoke``: 2 gloo ranks, every variant timed,
+    compared and counted. Whether the variants are equivalent is tests/test_fsdp.py's and
+    tests/test_distributed.py's business (bounds from tests/tolerance.py); here only that
+    each one trained the same model, sharded as its name says."""
+    out, raw = tmp_path / "distributed.md", tmp_path / "distributed.json"
+    args = ["--smoke", "--out", str(out), "--json", str(raw)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.distributed", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res, text = json.loads(raw.read_text()), out.read_text()
+    assert list(res["times"]) == DISTRIBUTED
+    for name in DISTRIBUTED:
+        assert f"| {name} |" in text
+        assert all(t > 0 for t in res["times"][name]), name
+        # A variant that did not train, or trained another model, is as far from DDP as
+        # DDP's own two AdamW steps moved it (or NaN): correct ones differ by rounding.
+        assert res["diffs"][name] < res["moved"], (name, res["diffs"][name], res["moved"])
+    assert "## Conclusion" in text and "target >= 1.0x" in text
+    from benchmarks.distributed import SMOKE, make_model
+
+    model = make_model(SMOKE["width"], SMOKE["depth"])
+    assert all(p.shape[0] % 2 == 0 for p in model.parameters())  # FSDP2 halves each
+    # fp32 parameters and AdamW's two moments: 12 bytes per parameter, replicated; the
+    # rest of a state is its scalars (step counters, lr, betas), the same on every rank.
+    whole = 12 * sum(p.numel() for p in model.parameters())
+    size = {name: [b[name] for b in res["state_bytes"]] for name in DISTRIBUTED}
+    scalars = {
+        "torch": size["DDP no_sync"][0] - whole,
+        "fasttorch": size[DISTRIBUTED[1]][0] - whole,
+    }
+    assert 0 < scalars["torch"] < 0.05 * whole and 0 < scalars["fasttorch"] < 0.05 * whole
+    calls = res["collectives"]
+    units = 3  # --smoke: the input block, 1 hidden block, the root
+    for name in DISTRIBUTED:
+        sharded = "FSDP2" in name
+        own = scalars["fasttorch" if name.startswith("fasttorch") else "torch"]
+        assert size[name] == [whole // (2 if sharded else 1) + own] * 2, (name, size[name])
+        if sharded:
+            # No gradient sync but on the last microbatch: one reduce-scatter per unit.
+            # FSDP2 all-gathers each unit for every microbatch's forward, and again for
+            # its backward where it resharded after the forward.
+            per_micro = 2 if "reshard=True" in name else 1
+            assert calls[name]["RS"] == units, (name, calls[name])
+            assert calls[name]["AG"] == per_micro * units * 4, (name, calls[name])
+        else:
+            assert calls[name]["AG"] == calls[name]["RS"] == 0, (name, calls[name])
 
 
 def test_stats_doctests():
