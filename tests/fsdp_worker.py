@@ -293,10 +293,14 @@ def check_overflow_on_one_rank(rank):
 
 def check_collectives(rank):
     """Per window of 3 microbatches: one reduce-scatter per FSDP unit (on the last
-    microbatch), and fasttorch's own two all-reduces (first weight, counts)."""
-    # FSDP2 reduce-scatters through dist.reduce_scatter_single (torch 2.13) or
-    # dist.reduce_scatter_tensor (earlier releases): count whichever exist.
-    names = ["all_reduce", *(n for n in RS_NAMES if hasattr(dist, n))]
+    microbatch), fasttorch's own two all-reduces (first weight, counts), and the
+    all-gathers: once per window for the units FSDP2 keeps gathered from forward to
+    backward (``reshard_after_forward=False``, and the root), twice per microbatch
+    (forward, backward) for the others. Both layouts train bit for bit alike."""
+    # FSDP2 reduce-scatters and all-gathers through dist.*_single (torch 2.13) or
+    # dist.*_tensor (earlier releases): count whichever exist.
+    kinds = {"all_reduce": ("all_reduce",), "reduce_scatter": RS_NAMES, "all_gather": AG_NAMES}
+    names = [n for ns in kinds.values() for n in ns if hasattr(dist, n)]
     originals = {n: getattr(dist, n) for n in names}
     calls = dict.fromkeys(names, 0)
 
@@ -308,27 +312,33 @@ def check_collectives(rank):
         return call
 
     step = sync_on_last(fasttorch.grad_accumulate(fasttorch.step(mse), 3))
-    state = replicate(fasttorch.TrainState.create(sharded_model(), fasttorch.optim.adamw(LR)))
-    per_window = []
-    for n in names:
-        setattr(dist, n, counting(n))
-    try:
-        for b in global_batches(2):
-            for k in calls:
-                calls[k] = 0
-            state, _ = step(state, shard(b, rank))
-            per_window.append(
-                {
-                    "all_reduce": calls["all_reduce"],
-                    "reduce_scatter": sum(calls[n] for n in names[1:]),
-                }
-            )
-    finally:
+    out = {"units": 3, "n": 3}
+    states = {}
+    for layout, kwargs in (("default", {}), ("kept", {"reshard_after_forward": False})):
+        model = sharded_model(**kwargs)  # FSDP2's default: the root is not resharded
+        state = replicate(fasttorch.TrainState.create(model, fasttorch.optim.adamw(LR)))
+        per_window = []
         for n in names:
-            setattr(dist, n, originals[n])
-    return {"per_window": per_window, "units": 3}
+            setattr(dist, n, counting(n))
+        try:
+            for b in global_batches(3):
+                for k in calls:
+                    calls[k] = 0
+                state, _ = step(state, shard(b, rank))
+                per_window.append({k: sum(calls.get(n, 0) for n in ns) for k, ns in kinds.items()})
+        finally:
+            for n in names:
+                setattr(dist, n, originals[n])
+        out[layout] = per_window
+        states[layout] = state
+    out["same_params"] = all(
+        torch.equal(states["default"].params[k], states["kept"].params[k])
+        for k in states["default"].params
+    )
+    return out
 
 
+AG_NAMES = ("all_gather_single", "all_gather_into_tensor")
 RS_NAMES = ("reduce_scatter_single", "reduce_scatter_tensor")
 
 

@@ -97,8 +97,19 @@ def test_the_gradients_are_reduced_once_per_window(results):
     """3 microbatches, 3 FSDP units: one reduce-scatter per unit, on the last
     microbatch only, and fasttorch's two small all-reduces."""
     for r in _get(results, "collectives"):
-        for window in r["per_window"]:
-            assert window == {"all_reduce": 2, "reduce_scatter": r["units"]}, r
+        units, n = r["units"], r["n"]
+        # From the second window (FSDP2 marks the root as kept at its first forward):
+        # reshard_after_forward=True units gather for each forward and each backward,
+        # the root once; with False every unit gathers once per window.
+        for window in r["default"][1:]:
+            assert window == {
+                "all_reduce": 2,
+                "reduce_scatter": units,
+                "all_gather": 2 * n * (units - 1) + 1,
+            }, r
+        for window in r["kept"][1:]:
+            assert window == {"all_reduce": 2, "reduce_scatter": units, "all_gather": units}, r
+        assert r["same_params"], r
 
 
 def test_compiled_sharded_step_compiles_the_update_once_and_says_what_stays_eager(results):

@@ -10,7 +10,10 @@ does around it, once per window:
 * the window's microbatches backpropagate into the module's ``.grad`` as
   ``loss.backward()`` does (FSDP2 sees nothing else), with the gradient sync off for
   every microbatch but the last (``set_requires_gradient_sync``), so the only
-  reduce-scatter is the last backward's;
+  reduce-scatter is the last backward's; the units FSDP2 keeps gathered from forward
+  to backward (``reshard_after_forward=False``, and the root) stay gathered to the
+  last microbatch (``set_reshard_after_backward``), so they are all-gathered once per
+  window, not once per microbatch;
 * each microbatch's backward is seeded with ``mult * weight / reference``, the
   reference being the mean over ranks of the first microbatch's weight (one small
   all-reduce per window), so every rank's gradients carry the same factor and the
@@ -33,7 +36,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fasttorch import _scope
+from fasttorch import _compat, _scope
 from fasttorch.distributed.reducer import (
     DistributedStepError,
     SyncConfig,
@@ -162,6 +165,30 @@ def _check_storage(step: Step, state: TrainState, params: dict[str, torch.Tensor
             )
 
 
+def _kept_gathered(roots: list[Any]) -> list[Any]:
+    """The FSDP2 units whose parameters stay gathered between a window's microbatches.
+
+    Those FSDP2 keeps unsharded from forward to backward anyway (sharded with
+    ``reshard_after_forward=False``, and the root): keeping them to the next
+    microbatch's forward adds nothing to the peak, which is at the end of a forward,
+    and saves an all-gather per unit per microbatch. The others (``True``, FSDP2's
+    default, chosen for memory) reshard after each backward, as FSDP2 does.
+    """
+    keep = []
+    for m in roots:
+        kept = _compat.fsdp_keeps_params_after_forward(m)
+        if kept is None:
+            warn_once(
+                "sync_on_last over FSDP2: this torch release does not show whether a "
+                f"unit ({type(m).__name__}) was sharded with reshard_after_forward=False, "
+                "so every unit reshards after each microbatch's backward and is "
+                "all-gathered again for the next (FSDP2's default; correct, more traffic)"
+            )
+        elif kept:
+            keep.append(m)
+    return keep
+
+
 def run_sharded_window(
     config: SyncConfig, step: Step, state: TrainState, micro: list[Batch]
 ) -> tuple[TrainState, Metrics]:
@@ -171,6 +198,7 @@ def run_sharded_window(
     params = sharded_parameters(state.module)
     _check_storage(step, state, params)
     n = len(micro)
+    keep = _kept_gathered(roots) if n > 1 else []
     into = _ShardedInto(config)
     saved = {k: p.grad for k, p in params.items()}
     value_sum: torch.Tensor | None = None
@@ -182,6 +210,8 @@ def run_sharded_window(
             p.grad = None
         for i, mb in enumerate(micro):
             root.set_requires_gradient_sync(i == n - 1)
+            for m in keep:
+                m.set_reshard_after_backward(i == n - 1, recurse=False)
             with _scope.scope(into=into):
                 g = step.grad(step.loss, state, mb, 1.0 / n)
             vw = g.value.to(torch.float64) * g.weight
@@ -197,8 +227,11 @@ def run_sharded_window(
         }
     finally:
         root.set_requires_gradient_sync(True)
+        for m in keep:
+            m.set_reshard_after_backward(True, recurse=False)
         for k, p in params.items():
             p.grad = saved[k]
+        reshard(state.module)  # a window that failed part-way leaves nothing gathered
     ts = list(grads.values())
     # One kernel per step of this, not per tensor: on a GPU each launch costs more than
     # the arithmetic of a norm.
