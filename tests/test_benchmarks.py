@@ -158,11 +158,13 @@ def test_distributed_smoke_run_measures_every_variant(tmp_path):
         assert size[name] == [whole // (2 if sharded else 1) + own] * 2, (name, size[name])
         if sharded:
             # No gradient sync but on the last microbatch: one reduce-scatter per unit.
-            # FSDP2 all-gathers each unit for every microbatch's forward, and again for
-            # its backward where it resharded after the forward.
-            per_micro = 2 if "reshard=True" in name else 1
+            # With reshard_after_forward=False the units stay gathered across the 4
+            # microbatches: one all-gather each per step. With True FSDP2 gathers each
+            # unit (the root included: it was sharded with True explicitly) for every
+            # microbatch's forward and again for its backward.
+            gathers = 2 * units * 4 if "reshard=True" in name else units
             assert calls[name]["RS"] == units, (name, calls[name])
-            assert calls[name]["AG"] == per_micro * units * 4, (name, calls[name])
+            assert calls[name]["AG"] == gathers, (name, calls[name])
         else:
             assert calls[name]["AG"] == calls[name]["RS"] == 0, (name, calls[name])
 
