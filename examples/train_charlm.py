@@ -24,7 +24,9 @@ the weights' moving average from ``fasttorch.ema``), background checkpoints ever
 generator state as ``data``, so ``--resume`` continues bit for bit), a few steps traced
 by ``fasttorch.profiled`` with ``--profile DIR``, and at the end ``loss.svg`` and
 ``summary.json`` in ``--out``. Under torchrun only rank 0 prints and writes those files;
-checkpoints are written by all ranks together.
+checkpoints are written by all ranks together. With ``--fsdp`` the model is sharded
+across the ranks by FSDP2 (``fully_shard`` per block, then the root; each block compiled
+before it is sharded), and the state holds each rank's shards.
 
 Run ``python examples/train_charlm.py --help`` for the flags; the defaults finish in
 about two minutes on two CPU cores, torch.compile included.
@@ -41,6 +43,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import gc
 import json
 import math
 import sys
@@ -58,7 +61,7 @@ from torch import Tensor, nn
 import fasttorch
 from fasttorch import checkpoint, schedules
 from fasttorch.data import from_json, to_json
-from fasttorch.distributed import replicate, setup, sync_on_last
+from fasttorch.distributed import backend_for, replicate, setup, sync_on_last
 from fasttorch.evaluation import evaluate
 from fasttorch.loop import TensorBoardWriter, every
 from fasttorch.transforms.profiled import Profiled
@@ -158,6 +161,12 @@ class Batches:
         return rows[:, :-1], rows[:, 1:]
 
 
+def split_tokens(tokens: Tensor, block_size: int, val_fraction: float) -> tuple[Tensor, Tensor]:
+    """The training tokens and the held-out tail (``val_fraction``, at least one window)."""
+    n_val = max(int(len(tokens) * val_fraction), block_size + 2)
+    return tokens[:-n_val], tokens[-n_val:]
+
+
 # --------------------------------------------------------------------------- model
 
 
@@ -245,6 +254,21 @@ StepFn = Callable[[fasttorch.TrainState, Batch], tuple[fasttorch.TrainState, dic
 EvalFn = Callable[[fasttorch.TrainState, Batch], dict[str, Tensor]]
 
 
+def lr_schedule(lr: float, min_lr: float, warmup: int, steps: int) -> schedules.Warmup:
+    """Linear warm-up from ``lr / warmup`` to ``lr``, then cosine down to ``min_lr``."""
+    decay = schedules.cosine(lr, max(1, steps - warmup), end=min_lr)
+    return schedules.warmup(warmup, decay, init=lr / warmup)
+
+
+def no_decay(model: nn.Module) -> Callable[[str, Tensor], bool]:
+    """nanoGPT's recipe: weight decay on the matrices only, not on biases, LayerNorms or
+    embeddings. A predicate of ``(name, parameter)`` for ``fasttorch.optim.groups``."""
+    embeddings = {
+        f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Embedding)
+    }
+    return lambda name, p: p.ndim < 2 or name in embeddings
+
+
 def loss_fn(apply: Callable[..., Tensor], batch: Batch) -> Tensor:
     """Mean next-token cross-entropy, in float32 whatever the autocast dtype."""
     x, y = batch
@@ -259,17 +283,19 @@ def build_step(
     compile: bool,
     world: int = 1,
     ema: float | None = None,
+    sharded: bool = False,
 ) -> tuple[fasttorch.Step, StepFn]:
     """The composed training step: amp, accumulation, data parallel, clipping, EMA, compile.
 
     Returns the step before ``compiled`` (for ``init`` and ``eval_step``) and the step to
-    call.
+    call. ``sharded``: the state's module is sharded with FSDP2, whose reduce-scatter
+    ``sync_on_last`` drives, even on a single rank.
     """
     step = fasttorch.step(loss_fn)
     if precision != "fp32":
         step = fasttorch.with_amp(step, cast(Literal["bf16", "fp16", "auto"], precision))
     step = fasttorch.grad_accumulate(step, accum)
-    if world > 1:  # under torchrun: average the gradients of each window across ranks
+    if world > 1 or sharded:  # average each window's gradients across ranks
         step = sync_on_last(step)
     step = fasttorch.clip_scaled(step, clip)
     if ema is not None:  # a moving average of the weights, updated inside the step
@@ -282,6 +308,49 @@ def build_eval(base: fasttorch.Step, compile: bool, use_ema: bool = False) -> Ev
     eval mode (dropout off); compiled when the training step is."""
     fn = fasttorch.eval_step(base, use_ema=use_ema)
     return cast(EvalFn, fasttorch.compiled(fn)) if compile else fn
+
+
+# --------------------------------------------------------------------------- sharding
+
+
+def join_alone(device: torch.device) -> None:
+    """A process group of this one process: FSDP2 shards over a device mesh, which needs
+    one even for a single rank (torchrun starts one for ``setup`` to join otherwise)."""
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group(backend_for(device), store=store, rank=0, world_size=1)
+
+
+def shard(model: CharGPT, device: torch.device, world: int, compile: bool) -> None:
+    """Shard ``model`` over all ranks with FSDP2: each block its own unit, then the root
+    (embeddings, final LayerNorm, head), as torchtitan does. With ``compile`` each block
+    is compiled first (``block.compile()``): FSDP2's hooks run outside any graph, so a
+    block compiled before ``fully_shard`` is the part of the forward and backward that
+    compiles; the rest runs eagerly around the hooks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    for block in model.blocks:
+        if compile:
+            block.compile(fullgraph=True)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def state_bytes(state: fasttorch.TrainState) -> tuple[int, int]:
+    """Parameter + optimizer-state bytes held by this rank, and in the whole state (each
+    shard counted at its parameter's global size)."""
+    import torch.utils._pytree as pytree
+
+    from fasttorch.distributed.fsdp import sharded_leaves
+
+    shards = sharded_leaves(state)
+    mine = whole = 0
+    for i, (path, x) in enumerate(pytree.tree_flatten_with_path(state)[0]):
+        if isinstance(x, Tensor) and getattr(path[0], "name", None) in ("params", "opt_state"):
+            mine += x.numel() * x.element_size()
+            whole += (shards[i].numel() if i in shards else x.numel()) * x.element_size()
+    return mine, whole
 
 
 def held_out(fn: EvalFn, state: fasttorch.TrainState, batches: list[Batch], world: int) -> float:
@@ -323,6 +392,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="autocast dtype (fasttorch.with_amp); fp32 skips with_amp",
     )
     p.add_argument("--no-compile", action="store_true", help="run the step eagerly")
+    p.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the parameters and optimizer state across the ranks with FSDP2 "
+        "(fully_shard per block, then the root); under torchrun, or alone as 1 rank",
+    )
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: steps // 10)")
@@ -438,10 +513,33 @@ def _none_as_nan(x: Any) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Train, print progress, write ``loss.svg`` and ``summary.json``; return the summary."""
-    t_start = time.perf_counter()
     args = parse_args(argv)
+    summary = train(args)
+    if summary["world"] > 1 or summary["fsdp"]:
+        # Only once train()'s model, state and steps are gone: FSDP2's modules hold the
+        # group in reference cycles, and a gloo group left for the interpreter's exit to
+        # free aborted the process there ("terminate called without an active
+        # exception"; torch 2.13: 3 of 45 sharded 2-rank runs of this job, none of 45
+        # since this collect).
+        gc.collect()
+        torch.distributed.destroy_process_group()
+    return summary
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """The job with parsed flags; the process group it joins stays up (see :func:`main`)."""
+    t_start = time.perf_counter()
+    if args.fsdp and not torch.distributed.is_available():
+        raise SystemExit(
+            f"--fsdp shards with torch.distributed, which this torch build "
+            f"({torch.__version__}) does not have (torch.distributed.is_available() is "
+            "False). Install a build with distributed support (the PyPI wheels for Linux, "
+            "macOS and Windows have it), or run without --fsdp"
+        )
     # Under torchrun this joins the process group (gloo on CPU, NCCL on GPU); alone, a no-op.
     rank, world, device = setup(args.device)
+    if args.fsdp and not torch.distributed.is_initialized():
+        join_alone(device)  # --fsdp without torchrun: a group of one rank
     if args.batch_size % world:
         raise SystemExit(f"--batch-size {args.batch_size} must be divisible by {world} ranks")
     if args.threads is not None:
@@ -455,8 +553,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     raw, n_files = stdlib_source(args.max_bytes)
     vocab = ByteVocab(raw)
     tokens = vocab.encode(raw).to(device)
-    n_val = max(int(len(tokens) * args.val_fraction), args.block_size + 2)
-    train_tokens, val_tokens = tokens[:-n_val], tokens[-n_val:]
+    train_tokens, val_tokens = split_tokens(tokens, args.block_size, args.val_fraction)
     train_batches = Batches(train_tokens, args.block_size, args.batch_size, args.seed, rank, world)
     # A fixed held-out set, drawn once: every evaluation scores the same windows.
     val_draw = Batches(val_tokens, args.block_size, args.batch_size, args.seed + 1, rank, world)
@@ -472,30 +569,32 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         tie_weights=not args.untied_head,
     ).to(device)
     n_params = sum(p.numel() for p in model.parameters())  # shared weights counted once
+    compile = not args.no_compile
+    if args.fsdp:  # every rank built the same model (same seed): now each keeps 1/world
+        shard(model, device, world, compile)
 
     warmup = min(args.warmup, args.steps)
-    schedule = schedules.warmup(  # linear from lr/warmup up to lr, then cosine down
-        warmup,
-        schedules.cosine(args.lr, max(1, args.steps - warmup), end=args.min_lr),
-        init=args.lr / warmup,
-    )
-    # nanoGPT's recipe: decay the matrices only, not biases, LayerNorms or embeddings.
-    embeddings = {
-        f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Embedding)
-    }
+    schedule = lr_schedule(args.lr, args.min_lr, warmup, args.steps)
     optimizer = fasttorch.optim.groups(
         fasttorch.optim.adamw(schedule, weight_decay=args.weight_decay),
-        [(lambda name, p: p.ndim < 2 or name in embeddings, {"weight_decay": 0.0})],
+        [(no_decay(model), {"weight_decay": 0.0})],
     )
+    # Sharded: the state holds this rank's shards (optimizer moments and EMA too).
     state = fasttorch.TrainState.create(model, optimizer, seed=args.seed)
     if world > 1:
-        state = replicate(state)  # rank 0's weights everywhere, a dropout stream per rank
-    compile = not args.no_compile
-    base, step = build_step(args.precision, args.accum, args.clip, compile, world, args.ema)
+        # Rank 0's weights everywhere (each rank keeps its own shards), and a dropout
+        # stream per rank.
+        state = replicate(state)
+    base, step = build_step(
+        args.precision, args.accum, args.clip, compile, world, args.ema, sharded=args.fsdp
+    )
     state = base.init(state)  # add the transforms' sub-states now: a checkpoint's template
-    evals = {"held-out": build_eval(base, compile)}
+    # A sharded state's evaluation runs the module as it is (its blocks compiled or not):
+    # FSDP2's hooks cannot be in a graph, so compiled() around it would only run eagerly.
+    compile_eval = compile and not args.fsdp
+    evals = {"held-out": build_eval(base, compile_eval)}
     if args.ema is not None:
-        evals["held-out EMA"] = build_eval(base, compile, use_ema=True)
+        evals["held-out EMA"] = build_eval(base, compile_eval, use_ema=True)
 
     # Resume: the newest complete checkpoint, with the data position saved beside it.
     history: dict[str, Any] = {"train": [], **{name: [] for name in evals}}
@@ -534,6 +633,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         + (f", ema {args.ema:g}" if args.ema is not None else "")
         + f" | {args.steps} steps, lr {args.lr:g} (warm-up {warmup}, cosine to {args.min_lr:g})"
     )
+    mine, whole = state_bytes(state)
+    if args.fsdp:
+        say(
+            f"sharded: FSDP2 over {world} rank{'s' if world > 1 else ''} (fully_shard per "
+            f"block x{args.n_layer}, then the root) | parameters + optimizer state "
+            f"{mine / 2**20:.2f} MiB on rank 0 of {whole / 2**20:.2f} MiB"
+        )
+        if compile:
+            say(
+                "compiled: each block's forward and backward (block.compile() before "
+                "fully_shard) and the update (fasttorch.compiled); embeddings, final "
+                "LayerNorm, head and loss run eagerly around FSDP2's hooks, evaluation too "
+                "(its blocks compiled)"
+            )
     if resumed_from is not None:
         say(f"resumed from {path} at step {start}")
     if start == 0:
@@ -635,6 +748,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "device": str(device),
         "world": world,
+        "fsdp": args.fsdp,
         "torch": torch.__version__,
         "params": n_params,
         "data_bytes": len(raw),
@@ -653,7 +767,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "tokens_per_s": tokens_per_s,
         "wall_s": wall_s,
         "peak_memory_bytes": peak,
+        "state_bytes": mine,  # parameters + optimizer state on rank 0 (1/world if sharded)
         "checkpoint": saved,
+        # loss.svg's points: [step, loss] per log window (train) and per evaluation.
+        "curves": {name: history[name] for name in ("train", *evals)},
     }
     say(
         f"train loss {summary['initial_loss']:.4f} -> {loss:.4f} | held-out loss "
@@ -679,8 +796,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         (out / "loss.svg").write_text(loss_svg(curves, args.steps, title, "loss (nats per byte)"))
         (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         say(f"wrote {out / 'loss.svg'} and {out / 'summary.json'}")
-    if world > 1:
-        torch.distributed.destroy_process_group()
     return summary
 
 

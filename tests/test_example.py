@@ -37,6 +37,7 @@ TINY = [
 SUMMARY_KEYS = {
     "device",
     "world",
+    "fsdp",
     "torch",
     "params",
     "data_bytes",
@@ -55,9 +56,11 @@ SUMMARY_KEYS = {
     "tokens_per_s",
     "wall_s",
     "peak_memory_bytes",
+    "state_bytes",
     "checkpoint",
+    "curves",
 }
-OPTIONAL = {"device", "torch", "resumed_from", "val_loss_ema", "checkpoint"}
+OPTIONAL = {"device", "torch", "resumed_from", "val_loss_ema", "checkpoint", "curves"}
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +87,11 @@ def _check(summary: dict[str, Any], steps: int) -> None:
     rel = gamma(4, torch.float64)
     assert summary["tokens_per_s"] == pytest.approx(summary["steps_per_s"] * 16 * 32, rel=rel)
     assert summary["peak_memory_bytes"] > 2**20
+    assert not summary["fsdp"] and summary["state_bytes"] > 3 * 4 * summary["params"]  # AdamW
+    # The chart's points: the last train window ends at the last step, and the last
+    # held-out point is the final held-out loss.
+    assert summary["curves"]["train"][-1][0] == steps
+    assert summary["curves"]["held-out"][-1] == [steps, summary["val_loss"]]
 
 
 def _outputs(out: Path, summary: dict[str, Any], curves: int) -> list[ET.Element]:
