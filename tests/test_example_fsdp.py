@@ -210,3 +210,41 @@ def test_without_torch_distributed_the_error_says_so(
     monkeypatch.setattr(torch.distributed, "is_available", lambda: False)
     with pytest.raises(SystemExit, match=r"--fsdp shards with torch.distributed.*without --fsdp"):
         example.main([*ARGS, "--fsdp"])
+
+
+def test_sharded_resume_is_bit_exact_and_evaluates_the_ema(
+    tmp_path: Path, loop_error: tuple[LoopError, torch.nn.Module]
+) -> None:
+    """``--fsdp --ckpt-dir``: stop at step 4 (keep only that checkpoint), resume on 2
+    ranks: the same run as in one go, bit for bit (DCP reshards nothing here: the same
+    2 ranks). ``--ema``: its held-out loss is the replicated run's EMA loss (rule 2),
+    not the live weights' (the averages are copied into the module's shards for it)."""
+    import shutil
+
+    from fasttorch import checkpoint
+
+    flags = ["--fsdp", "--no-compile", "--ema", "0.9", "--ckpt-every", "4"]
+    whole, _ = torchrun(tmp_path / "whole", *flags, "--ckpt-dir", str(tmp_path / "a"))
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
+        "step_000000004",
+        "step_000000008",
+    ]
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a" / "step_000000004", tmp_path / "b" / "step_000000004")
+    resumed, _ = torchrun(
+        tmp_path / "resumed", *flags, "--ckpt-dir", str(tmp_path / "b"), "--resume"
+    )
+    assert resumed["resumed_from"] == 4 and whole["resumed_from"] is None
+    for key in ("initial_loss", "final_loss", "val_loss_initial", "val_loss", "val_loss_ema"):
+        assert resumed[key] == whole[key], key  # bit for bit
+    # Both checkpoints hold the whole parameters (2 -> 1: read in this plain process).
+    a = checkpoint.model_state_dict(whole["checkpoint"])
+    b = checkpoint.model_state_dict(resumed["checkpoint"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    plain, _ = torchrun(tmp_path / "plain", "--no-compile", "--ema", "0.9")
+    error, _ = loop_error
+    for key in ("val_loss", "val_loss_ema"):
+        bound = loss_atol(error, torch.tensor([plain[key]]))
+        assert abs(whole[key] - plain[key]) <= bound, (key, whole[key], plain[key], bound)
+    assert whole["val_loss_ema"] != whole["val_loss"]
