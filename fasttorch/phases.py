@@ -36,10 +36,12 @@ __all__ = [
     "IntoGrad",
     "Loss",
     "ModuleTensors",
+    "add_weighted_aux",
     "as_loss",
     "batch_size",
     "constant",
     "describe",
+    "divide_aux",
     "global_norm",
     "grad_phase",
     "keep_buffers",
@@ -612,3 +614,22 @@ def batch_size(batch: Batch) -> int:
         if isinstance(x, torch.Tensor) and x.ndim > 0:
             return int(x.shape[0])
     return 1
+
+
+def add_weighted_aux(total: Any, aux: Any, w: torch.Tensor) -> Any:
+    """``total + aux * w`` over a window's ``aux`` trees (floating leaves; others kept)."""
+    if aux is None:
+        return None
+    scaled = pytree.tree_map(lambda a: a * w if _is_float(a) else a, aux)
+    if total is None:
+        return scaled
+    return pytree.tree_map(lambda t, a: t + a if _is_float(a) else a, total, scaled)
+
+
+def divide_aux(total: Any, w: torch.Tensor) -> Any:
+    """``total / w`` on the floating leaves: the weighted mean of :func:`add_weighted_aux`."""
+    return pytree.tree_map(lambda t: t / w if _is_float(t) else t, total)
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
+from dist_kit import join
 from reference import LayerNormNet, mse
 from tolerance import FACTOR, fp32_reference_error, relative_reference_error
 
@@ -253,15 +254,7 @@ CHECKS = {
 
 
 def run(rank, world, port, out_dir):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
-    setup("cpu")
+    join(rank, world, port, "cpu")
     results = {}
     for name, check in CHECKS.items():
         try:

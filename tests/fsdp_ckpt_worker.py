@@ -21,12 +21,13 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(__file__))
+from dist_kit import join, leave
 from fsdp_worker import compose, global_batches, shard
 from reference import LayerNormNet
 
 import fasttorch
 from fasttorch import checkpoint
-from fasttorch.distributed import replicate, setup
+from fasttorch.distributed import replicate
 from fasttorch.distributed.fsdp import as_dtensor, sharded_leaves
 from fasttorch.evaluation import eval_step
 from fasttorch.state import local_tensor
@@ -208,15 +209,7 @@ def check_errors(rank: int, out: Path) -> dict[str, Any]:
 
 
 def run(rank: int, world: int, port: int, out_dir: str, single: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
-    setup("cpu")
+    join(rank, world, port, "cpu")
     out = Path(out_dir)
     checks = {
         "resume": lambda: check_save_and_resume(rank, out),
@@ -232,4 +225,4 @@ def run(rank: int, world: int, port: int, out_dir: str, single: str) -> None:
         dist.barrier()
     with open(out / f"rank{rank}.json", "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
+    leave()

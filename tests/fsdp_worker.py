@@ -19,6 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(__file__))
+from dist_kit import join, leave
 from reference import LayerNormNet, mse
 from tolerance import (
     fp32_reference_error,
@@ -30,7 +31,7 @@ from tolerance import (
 
 import fasttorch
 from fasttorch import _compat
-from fasttorch.distributed import replicate, setup, sync_on_last
+from fasttorch.distributed import replicate, sync_on_last
 from fasttorch.distributed.fsdp import as_dtensor, sharded_leaves
 
 STEPS = 4
@@ -526,34 +527,18 @@ def check_cuda(rank, world, device_type="cuda"):
 
 def run_cuda(rank, world, port, out_dir):
     """The CUDA checks in a NCCL group of ``world`` ranks (tests/test_fsdp.py)."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-    )
-    setup("cuda")
+    join(rank, world, port, "cuda")
     try:
         result = check_cuda(rank, world)
     except Exception:
         result = {"exception": traceback.format_exc()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    dist.destroy_process_group()
+    leave()
 
 
 def run(rank, world, port, out_dir):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
-    setup("cpu")
+    join(rank, world, port, "cpu")
     results = {}
     for name, check in CHECKS.items():
         try:
@@ -563,4 +548,4 @@ def run(rank, world, port, out_dir):
         dist.barrier()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
+    leave()

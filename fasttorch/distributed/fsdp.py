@@ -44,7 +44,16 @@ from fasttorch.distributed.reducer import (
     wait,
     window_counts,
 )
-from fasttorch.phases import Batch, GradOut, IntoGrad, Metrics, reciprocal, skip_empty_window
+from fasttorch.phases import (
+    Batch,
+    GradOut,
+    IntoGrad,
+    Metrics,
+    add_weighted_aux,
+    divide_aux,
+    reciprocal,
+    skip_empty_window,
+)
 from fasttorch.state import TrainState, local_tensor, reshard
 from fasttorch.steps import Step, apply_update, warn_once
 
@@ -218,7 +227,7 @@ def run_sharded_window(
             value_sum = vw if value_sum is None else value_sum + vw
             local_weight = g.weight if local_weight is None else local_weight + g.weight
             if g.aux is not None:
-                aux_sum = _add_weighted(aux_sum, g.aux, g.weight)
+                aux_sum = add_weighted_aux(aux_sum, g.aux, g.weight)
             last = g
         assert last is not None and value_sum is not None and local_weight is not None
         grads = {
@@ -258,7 +267,7 @@ def run_sharded_window(
     norm = counts[7].sqrt().to(torch.float32) * reciprocal(scale)
     aux = None
     if aux_sum is not None:
-        aux = pytree.tree_map(lambda t: t / local_weight if _is_float(t) else t, aux_sum)
+        aux = divide_aux(aux_sum, local_weight)
     window = GradOut(
         grads=grads,
         value=(counts[1] / total).to(last.value.dtype),
@@ -270,14 +279,3 @@ def run_sharded_window(
     )
     apply = step.kernel("apply", lambda: functools.partial(apply_update, step))
     return apply(state, skip_empty_window(window))  # type: ignore[no-any-return]
-
-
-def _add_weighted(total: Any, aux: Any, w: torch.Tensor) -> Any:
-    scaled = pytree.tree_map(lambda a: a * w if _is_float(a) else a, aux)
-    if total is None:
-        return scaled
-    return pytree.tree_map(lambda t, a: t + a if _is_float(a) else a, total, scaled)
-
-
-def _is_float(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_floating_point()

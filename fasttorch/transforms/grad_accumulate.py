@@ -25,7 +25,9 @@ from fasttorch.phases import (
     IntoGrad,
     Metrics,
     Tensors,
+    add_weighted_aux,
     describe,
+    divide_aux,
     module_tensors,
     skip_empty_window,
 )
@@ -151,14 +153,14 @@ def _within_call(
     aux_sum: Any = None
     for mb in micro[:-1]:
         acc, g = micro_kernel(state, acc, mb, n, True)
-        aux_sum = _add_weighted(aux_sum, g.aux, g.weight)
+        aux_sum = add_weighted_aux(aux_sum, g.aux, g.weight)
     # The last microbatch adds to the window in place: note its weight first.
     before = acc.weight.clone() if aux_sum is not None else None
     new, metrics, _, w_last = finish(step, state, acc, micro[-1], n, False)
     if before is not None and "aux" in metrics:
-        total = _add_weighted(aux_sum, metrics["aux"], w_last)
+        total = add_weighted_aux(aux_sum, metrics["aux"], w_last)
         weight = before + w_last
-        metrics["aux"] = pytree.tree_map(lambda t: t / weight if _is_float(t) else t, total)
+        metrics["aux"] = divide_aux(total, weight)
     return new, metrics
 
 
@@ -377,7 +379,7 @@ def _window_in_module(
         for i, mb in enumerate(micro):
             with _scope.scope(into=into):
                 g = step.grad(step.loss, state, mb, 1.0 / n)
-            aux_sum = _add_weighted(aux_sum, g.aux, g.weight)
+            aux_sum = add_weighted_aux(aux_sum, g.aux, g.weight)
             vw = g.value * g.weight
             if value_sum is None:
                 value_sum = vw
@@ -411,7 +413,7 @@ def _window_in_module(
     # weights are equal).
     new, metrics = update_window(step, state, sums, None, value, total, last, True)
     if aux_sum is not None and "aux" in metrics:
-        metrics["aux"] = pytree.tree_map(lambda t: t / total if _is_float(t) else t, aux_sum)
+        metrics["aux"] = divide_aux(aux_sum, total)
     return new, metrics
 
 
@@ -421,16 +423,3 @@ def _repeat_sum(w: torch.Tensor, k: int) -> torch.Tensor:
     for _ in range(k - 1):
         total.add_(w)
     return total
-
-
-def _add_weighted(total: Any, aux: Any, w: torch.Tensor) -> Any:
-    if aux is None:
-        return None
-    scaled = pytree.tree_map(lambda a: a * w if _is_float(a) else a, aux)
-    if total is None:
-        return scaled
-    return pytree.tree_map(lambda t, a: t + a if _is_float(a) else a, total, scaled)
-
-
-def _is_float(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_floating_point()
