@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import copy
 import datetime
+import gc
 import json
 import math
 import os
@@ -302,6 +303,11 @@ def worker(rank: int, port: int, cfg: dict[str, Any], out: str) -> None:
             "moved": moved,
         }
         Path(out).write_text(json.dumps(res))
+    # FSDP2's modules hold the group in reference cycles: free them first (a gloo group
+    # they still reference at exit can abort the process), then leave together.
+    built.clear()
+    del v
+    gc.collect()
     dist.barrier()  # neither rank leaves the group while the other still uses it
     dist.destroy_process_group()
 
