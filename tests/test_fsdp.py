@@ -164,3 +164,10 @@ def test_sharded_steps_on_gpus_with_nccl(tmp_path):
         for kind in ("accum", "amp_bf16"):
             assert r[kind]["diff"] <= r[kind]["bound"], r
         assert r["overflow_skipped"] and r["scale"] == 32768.0, r
+
+
+def test_a_module_fsdp2_did_not_shard_reads_as_unknown():
+    # Unknown (None), not "kept": a window then reshards every unit, FSDP2's default.
+    from fasttorch import _compat
+
+    assert _compat.fsdp_keeps_params_after_forward(torch.nn.Linear(2, 2)) is None
