@@ -4,18 +4,15 @@ costs seconds to start), each with a timeout so that a hang fails instead of sta
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from dist_kit import spawn_group
 from dist_worker import run
 from reference import LayerNormNet, mse
 
@@ -25,27 +22,9 @@ from fasttorch.distributed import backend_for, sync_on_last
 HERE = Path(__file__).resolve().parent
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dist")
-    ctx = mp.start_processes(
-        run, args=(2, _free_port(), str(out)), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline_s = 420
-    start = time.monotonic()
-    while not ctx.join(timeout=5):
-        if time.monotonic() - start > deadline_s:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the 2-rank group did not finish within {deadline_s} s (a hang)")
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    return ranks
+    return spawn_group(run, 2, tmp_path_factory.mktemp("dist"))
 
 
 def _get(results, name):

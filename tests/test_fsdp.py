@@ -4,39 +4,15 @@ deadline so that a hang fails instead of stalling."""
 
 from __future__ import annotations
 
-import json
-import socket
-import time
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+from dist_kit import spawn_group
 from fsdp_worker import CHECKS, run, run_cuda
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _group(fn, world, out, deadline_s=420):
-    """Run ``fn(rank, world, port, out)`` in ``world`` spawned processes; their results."""
-    ctx = mp.start_processes(
-        fn, args=(world, _free_port(), str(out)), nprocs=world, join=False, start_method="spawn"
-    )
-    start = time.monotonic()
-    while not ctx.join(timeout=5):
-        if time.monotonic() - start > deadline_s:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"the {world}-rank group did not finish within {deadline_s} s (a hang)")
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return _group(run, 2, tmp_path_factory.mktemp("fsdp"))
+    return spawn_group(run, 2, tmp_path_factory.mktemp("fsdp"))
 
 
 def _get(results, name):
@@ -159,7 +135,7 @@ def test_sharded_steps_on_gpus_with_nccl(tmp_path):
     """A GPU per rank (2 where there are 2, else one rank): the sharded path's CUDA
     side (NCCL collectives, no host-side agreement check, inductor's update graph)."""
     world = min(2, torch.cuda.device_count())
-    for rank, r in enumerate(_group(run_cuda, world, tmp_path)):
+    for rank, r in enumerate(spawn_group(run_cuda, world, tmp_path)):
         assert "exception" not in r, f"rank {rank}:\n{r['exception']}"
         for kind in ("accum", "amp_bf16"):
             assert r[kind]["diff"] <= r[kind]["bound"], r

@@ -5,13 +5,9 @@ writes the 1-process checkpoint beforehand and loads the 2-rank one afterwards."
 
 from __future__ import annotations
 
-import json
-import socket
-import time
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+from dist_kit import spawn_group
 from fsdp_ckpt_worker import WIDTH, K, compose, eval_batch, leaves, new_state, run
 from fsdp_worker import global_batches
 
@@ -30,12 +26,6 @@ PER_PARAMETER = ("params/{}", "opt_state/slots/exp_avg/{}", "opt_state/slots/exp
 SHARDED = sorted(k.format(n) for k in (*PER_PARAMETER, "substates/ema/params/{}") for n in NAMES)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def group(tmp_path_factory):
     """A 1-process checkpoint (trained 2 steps), then the 2-rank group's results."""
@@ -47,20 +37,7 @@ def group(tmp_path_factory):
     single = checkpoint.save(one, state, data={"from": "one"}, name="single")
     torch.save(leaves(state), one / "whole.pt")
     out = tmp_path_factory.mktemp("fsdp_ckpt")
-    ctx = mp.start_processes(
-        run,
-        args=(2, _free_port(), str(out), str(single)),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
-    )
-    start = time.monotonic()
-    while not ctx.join(timeout=5):
-        if time.monotonic() - start > 300:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail("the 2-rank group did not finish within 300 s (a hang)")
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    results = spawn_group(run, 2, out, str(single), deadline_s=300)
     return out, results
 
 
