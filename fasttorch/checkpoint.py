@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import io
 import json
 import math
 import os
 import pickle
+import re
 import threading
 import time
 import uuid
@@ -382,40 +384,93 @@ def _as_checkpoint_error(what: str) -> Iterator[None]:
 # kill-injection tests stop a save or a prune before each of these calls in turn.
 
 
+_no_dir_sync_warned: set[str] = set()
+
+
 def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
+    """Make the renames inside ``path`` durable; a failure is the save's failure.
+
+    A filesystem that cannot sync a directory at all (EINVAL/ENOTSUP on some network
+    and FUSE mounts) is told apart from one that failed to (EIO): the first warns once
+    and goes on, since nothing can be done there; the second raises.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise OSError(e.errno, f"fsync of the directory {str(path)!r} failed: {e}") from e
+        if str(path) not in _no_dir_sync_warned:
+            _no_dir_sync_warned.add(str(path))
+            warnings.warn(
+                f"checkpoint: the filesystem of {str(path)!r} cannot fsync a directory "
+                f"({e.strerror}); renames there are not made durable against power loss",
+                UserWarning,
+                stacklevel=3,
+            )
     finally:
         os.close(fd)
 
 
+def _is_link(path: Path) -> bool:
+    """Whether ``path`` is a symbolic link (never followed, deleted or replaced)."""
+    return os.path.islink(path)
+
+
 def _rmtree(path: Path) -> None:
-    """Delete ``path`` file by file (a kill leaves a ".del." directory, removed later)."""
-    for root, dirs, files in os.walk(path, topdown=False):
-        for f in files:
+    """Delete ``path`` file by file (a kill leaves a ".del." directory, removed later).
+
+    Never follows a symbolic link: a link inside the tree is removed as a link (its
+    target is left alone), and a ``path`` that is itself a link is not touched.
+    """
+    if _is_link(path):
+        return
+    try:
+        entries = list(os.scandir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            _rmtree(Path(entry.path))
+        else:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(root, f))
-        for d in dirs:
-            with contextlib.suppress(FileNotFoundError):
-                os.rmdir(os.path.join(root, d))
+                os.unlink(entry.path)
     with contextlib.suppress(FileNotFoundError):
         os.rmdir(path)
 
 
 def _discard(path: Path) -> None:
-    """Commit ``path`` to deletion with one rename, then delete it."""
+    """Commit ``path`` to deletion with one rename, then delete it (never a link)."""
+    if _is_link(path):
+        raise CheckpointError(
+            f"refusing to delete {str(path)!r}: it is a symbolic link, and fasttorch never "
+            "deletes through a link. Remove the link yourself"
+        )
     doomed = path.with_name(f"{_DEL}{path.name}.{uuid.uuid4().hex[:12]}")
     try:
         os.rename(path, doomed)
     except FileNotFoundError:
         return
     _rmtree(doomed)
+
+
+def _dir_arg(directory: Any, api: str) -> Path:
+    """``directory`` as a Path; an empty one (which would mean the working directory) or
+    a value of another type is refused before anything is read or written."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(
+            f"{api}: directory must be a path (str or os.PathLike), got "
+            f"{type(directory).__name__} {directory!r}. Name the directory the "
+            "checkpoints live in, e.g. 'checkpoints'"
+        )
+    text = os.fspath(directory)
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(
+            f"{api}: directory is {text!r}; an empty path would silently mean the current "
+            "working directory. Name the checkpoint directory, e.g. 'checkpoints' (or '.' "
+            "if you do mean the current directory)"
+        )
+    return Path(text)
 
 
 def _sha256(path: Path) -> str:
@@ -434,10 +489,21 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         )
     mf = path / MANIFEST
     if not mf.is_file():
+        if any(_has_manifest(c) for c in _subdirs(path)):
+            raise CheckpointError(
+                f"{str(path)!r} is a directory of checkpoints, not a checkpoint: pass one "
+                "of them, e.g. fasttorch.checkpoint.latest(directory), or use "
+                "fasttorch.checkpoint.resume(directory, template)"
+            )
         raise CheckpointError(
             f"checkpoint {str(path)!r} is incomplete: it has no {MANIFEST} (the file a "
             "save writes last). It was probably interrupted; load an earlier one "
             "(fasttorch.checkpoint.latest skips incomplete checkpoints)"
+        )
+    if _is_link(mf):
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: its {MANIFEST} is a symbolic link; a checkpoint's "
+            "files must be its own regular files"
         )
     try:
         manifest: dict[str, Any] = json.loads(mf.read_text())
@@ -449,15 +515,125 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             f"checkpoint {str(path)!r} has format {got!r}; this version of fasttorch "
             f"reads formats {list(_READABLE)}"
         )
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not all(
-        isinstance(n, str) and n and n == Path(n).name and n not in (".", "..") for n in files
-    ):
+    problem = _manifest_problem(manifest)
+    if problem is not None:
         raise CheckpointError(
-            f"checkpoint {str(path)!r}: {MANIFEST} must list plain file names of the "
-            "checkpoint directory"
+            f"checkpoint {str(path)!r} is unusable: its {MANIFEST} is malformed: {problem}. "
+            "It was not written by fasttorch.checkpoint.save, or was edited; it is never "
+            "loaded or deleted by fasttorch (remove or repair it yourself)"
         )
     return manifest
+
+
+def _subdirs(path: Path) -> list[Path]:
+    try:
+        return [p for p in path.iterdir() if p.is_dir() and not _is_link(p)]
+    except OSError:
+        return []
+
+
+def _has_manifest(path: Path) -> bool:
+    return (path / MANIFEST).is_file()
+
+
+_INT64 = 1 << 63
+_SHA = re.compile(r"[0-9a-f]{64}")
+
+
+def _is_int(x: Any, low: int = 0, high: int = _INT64) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and low <= x < high
+
+
+def _is_finite(x: Any) -> bool:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int beyond float's range (10**400)
+        return False
+
+
+def _dtype(name: Any) -> torch.dtype | None:
+    """The torch dtype named ``name`` ("float32"), or None: never any other attribute."""
+    if not isinstance(name, str) or not name.isidentifier():
+        return None
+    value = getattr(torch, name, None)
+    return value if isinstance(value, torch.dtype) else None
+
+
+def _manifest_problem(m: dict[str, Any]) -> str | None:
+    """What is wrong with a parsed manifest's fields (types and ranges), or None.
+
+    Checked before any field is used, so a hostile or hand-edited manifest gives one
+    clear error, never a KeyError, a ValueError from ``int()``, or an allocation of
+    the size it claims.
+    """
+    if not _is_int(m.get("step")):
+        return f"'step' must be an integer in [0, 2**63), got {m.get('step')!r}"
+    if m.get("micro") is not None and not _is_int(m["micro"]):
+        return f"'micro' must be null or an integer >= 0, got {m['micro']!r}"
+    if not _is_int(m.get("world_size"), 1, 1 << 31):
+        return f"'world_size' must be an integer >= 1, got {m.get('world_size')!r}"
+    if not _is_finite(m.get("saved_at")):
+        return f"'saved_at' must be a finite number, got {m.get('saved_at')!r}"
+    for key in ("module", "optimizer"):
+        if not isinstance(m.get(key), str):
+            return f"{key!r} must be a string, got {m.get(key)!r}"
+    files = m.get("files")
+    if not isinstance(files, dict):
+        return f"'files' must be an object, got {type(files).__name__}"
+    for n, info in files.items():
+        if not (isinstance(n, str) and n and n == Path(n).name and n not in (".", "..")):
+            return f"'files' must list plain file names of the checkpoint directory, got {n!r}"
+        if not isinstance(info, dict) or not _is_int(info.get("size")):
+            return f"'files'[{n!r}] must be an object with an integer 'size' >= 0, got {info!r}"
+        if not (isinstance(info.get("sha256"), str) and _SHA.fullmatch(info["sha256"])):
+            return f"'files'[{n!r}] must have a 'sha256' of 64 hex digits"
+    entries = m.get("entries")
+    if not isinstance(entries, dict):
+        return f"'entries' must be an object, got {type(entries).__name__}"
+    for key, info in entries.items():
+        problem = _entry_problem(info)
+        if problem is not None:
+            return f"'entries'[{key!r}] {problem}"
+    if not isinstance(m.get("statics", {}), dict) or not all(
+        isinstance(v, _SCALARS) for v in m.get("statics", {}).values()
+    ):
+        return "'statics' must be an object of plain values (numbers, strings, null)"
+    for key in ("per_rank", "sharded", "non_persistent"):
+        v = m.get(key, [])
+        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+            return f"{key!r} must be a list of strings, got {v!r}"
+    # The entries cannot hold more bytes than the files (each is stored at least once):
+    # a huge claimed shape is refused here, before anything is allocated for it.
+    stored = sum(info["size"] for info in files.values())
+    claimed = sum(_nbytes(info) for info in entries.values())
+    if claimed > stored:
+        return (
+            f"its entries come to {claimed} bytes in all, but its files hold {stored} "
+            "bytes (nothing was allocated)"
+        )
+    metric = m.get("metric")
+    if metric is not None and not _is_finite(metric):
+        return f"'metric' must be null or a finite number, got {metric!r}"
+    return None
+
+
+def _entry_problem(info: Any) -> str | None:
+    if not isinstance(info, dict):
+        return f"must be an object with 'shape' and 'dtype', got {info!r}"
+    shape = info.get("shape")
+    if not isinstance(shape, list) or not all(_is_int(d) for d in shape) or len(shape) > 64:
+        return f"has shape {shape!r}; a shape is a list of integers >= 0"
+    if _dtype(info.get("dtype")) is None:
+        return f"has dtype {info.get('dtype')!r}, which is not a torch dtype"
+    return None
+
+
+def _nbytes(info: dict[str, Any]) -> int:
+    dtype = _dtype(info["dtype"])
+    assert dtype is not None
+    return int(math.prod(info["shape"])) * dtype.itemsize
 
 
 def verify(path: str | os.PathLike[str], *, hashes: bool = True) -> dict[str, Any]:
@@ -482,6 +658,11 @@ def verify(path: str | os.PathLike[str], *, hashes: bool = True) -> dict[str, An
     manifest = _read_manifest(p)
     for name, info in manifest["files"].items():
         f = p / name
+        if _is_link(f):
+            raise CheckpointError(
+                f"checkpoint {str(p)!r}: its file {name!r} is a symbolic link; a "
+                "checkpoint's files must be its own regular files"
+            )
         if not f.is_file():
             raise CheckpointError(f"checkpoint {str(p)!r} is missing its file {name!r}")
         size = f.stat().st_size
@@ -503,18 +684,36 @@ def _old_target(p: Path) -> Path:
     return p.with_name(p.name[len(_OLD) :].rpartition(".")[0])
 
 
-def _checkpoints(directory: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
-    """Every directory with a readable manifest: published ones and ``.old.`` copies."""
+_reported: set[tuple[str, str]] = set()
+
+
+def _report_once(p: Path, problem: CheckpointError, api: str) -> None:
+    if (str(p), str(problem)) not in _reported:
+        _reported.add((str(p), str(problem)))
+        warnings.warn(f"{api} skips {str(p)!r}: {problem}", UserWarning, stacklevel=3)
+
+
+def _checkpoints(directory: Path, api: str) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Every directory with a readable manifest: published ones and ``.old.`` copies.
+
+    Symbolic links are never candidates (a ``best`` or ``latest`` link is the user's,
+    and deleting or replacing through it would reach outside the directory). A
+    directory without a manifest is an interrupted save, skipped silently; one whose
+    manifest is malformed is reported once and skipped (never deleted).
+    """
     if not directory.is_dir():
         return
     for p in directory.iterdir():
-        if p.name.startswith((_TMP, _DEL)) or not p.is_dir():
+        if p.name.startswith((_TMP, _DEL)) or _is_link(p) or not p.is_dir():
             continue
         if p.name.startswith(".") and not p.name.startswith(_OLD):
             continue
+        if not _has_manifest(p):
+            continue
         try:
             manifest = _read_manifest(p)
-        except CheckpointError:
+        except CheckpointError as e:
+            _report_once(p, e, api)
             continue
         yield p, manifest
 
@@ -540,7 +739,8 @@ def latest(directory: str | os.PathLike[str], *, verify_hashes: bool = True) -> 
         >>> fasttorch.checkpoint.latest(tempfile.mkdtemp()) is None
         True
     """
-    found = sorted(_checkpoints(Path(directory)), key=_order, reverse=True)
+    d = _dir_arg(directory, "checkpoint.latest")
+    found = sorted(_checkpoints(d, "checkpoint.latest"), key=_order, reverse=True)
     for p, _ in found:
         try:
             verify(p, hashes=verify_hashes)
@@ -582,16 +782,18 @@ def prune(directory: str | os.PathLike[str], keep_last: int) -> list[Path]:
     """
     if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"prune: keep_last must be an integer >= 1, got {keep_last!r}")
-    d = Path(directory)
+    d = _dir_arg(directory, "checkpoint.prune")
     if not d.is_dir():
         return []
     busy = set(_inflight)
     removed: list[Path] = []
     for p in sorted(d.iterdir()):  # committed deletions and stale temporaries first
+        if _is_link(p):  # never followed, never deleted: not fasttorch's
+            continue
         if str(p) not in busy and p.name.startswith((_DEL, _TMP)) and p.is_dir():
             (_rmtree if p.name.startswith(_DEL) else _discard)(p)
             removed.append(p)
-    found = [(p, m) for p, m in _checkpoints(d) if str(p) not in busy]
+    found = [(p, m) for p, m in _checkpoints(d, "checkpoint.prune") if str(p) not in busy]
     intact: dict[Path, bool] = {}
 
     def ok(p: Path) -> bool:
@@ -628,7 +830,7 @@ def prune(directory: str | os.PathLike[str], keep_last: int) -> list[Path]:
         _discard(p)
         removed.append(p)
     for p in kept:  # an interrupted replacement: the previous copy takes its name back
-        if p.name.startswith(_OLD) and not _old_target(p).exists():
+        if p.name.startswith(_OLD) and not os.path.lexists(_old_target(p)):
             os.rename(p, _old_target(p))
             _fsync_dir(d)
     return removed
@@ -677,7 +879,12 @@ def _plan(
     except TypeError as e:
         blob, problem = None, e
     _agree(problem, api)
-    d = Path(directory)
+    d = _dir_arg(directory, api)
+    if d.exists() and not d.is_dir():
+        raise CheckpointError(
+            f"{api}: {str(d)!r} exists and is not a directory; name a directory for the "
+            "checkpoints (it is created if missing)"
+        )
     token = uuid.uuid4().hex[:12] if rank == 0 else None
     if rank == 0:  # from now on, no prune of this process takes it for a leftover
         _inflight.add(str(d / f"{_TMP}{name}.{token}"))
@@ -762,6 +969,12 @@ def _publish(plan: _Plan) -> None:
         os.fsync(fh.fileno())
     _fsync_dir(plan.tmp)
     old = None
+    if _is_link(plan.final):
+        raise CheckpointError(
+            f"cannot save as {str(plan.final)!r}: it is a symbolic link, and fasttorch "
+            "never replaces or writes through a link. Save under another name, or "
+            "remove the link"
+        )
     if plan.final.exists():
         if not (plan.final / MANIFEST).is_file():
             raise CheckpointError(

@@ -1,0 +1,252 @@
+"""Hostile and unlucky checkpoint directories: symbolic links, malformed manifests,
+failed saves, two writers; and the exports (state_dict, safetensors) that load without
+fasttorch. Nothing outside the directory is ever deleted or written, and one bad
+checkpoint never stops the others from loading."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import fasttorch
+from fasttorch import checkpoint
+from fasttorch.checkpoint import CheckpointError
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def make(seed: int = 0) -> fasttorch.TrainState:
+    torch.manual_seed(seed)
+    return fasttorch.TrainState.create(torch.nn.Linear(3, 2), fasttorch.optim.sgd(0.1))
+
+
+def at(step: int) -> fasttorch.TrainState:
+    """A state whose step counter reads ``step`` (set by hand: no training needed)."""
+    return make(step).replace(step=torch.tensor(step))
+
+
+def saved(root: Path, n: int) -> list[Path]:
+    """n checkpoints in root, steps 0..n-1."""
+    return [checkpoint.save(root, at(i), data={"i": i}) for i in range(n)]
+
+
+def snapshot(path: Path) -> dict[str, bytes]:
+    """Every file under path (links not followed), with its bytes."""
+    out = {}
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            p = Path(dirpath, f)
+            out[str(p.relative_to(path))] = p.read_bytes()
+    return out
+
+
+def outside(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    """A directory outside the checkpoint directory, with files in a subdirectory."""
+    ext = tmp_path / "precious"
+    (ext / "sub").mkdir(parents=True)
+    (ext / "a.txt").write_text("keep me")
+    (ext / "sub" / "b.bin").write_bytes(b"\0" * 100)
+    return ext, snapshot(ext)
+
+
+# --------------------------------------------------------------------------- symlinks
+
+
+@pytest.mark.parametrize("prefix", [".tmp.", ".del.", ".old."])
+@pytest.mark.parametrize("how", ["prune", "save"])
+def test_hidden_symlinks_to_a_directory_elsewhere_are_left_alone(tmp_path, prefix, how):
+    root = tmp_path / "ck"
+    saved(root, 2)
+    ext, before = outside(tmp_path)
+    if prefix == ".old.":  # a copy of a checkpoint, elsewhere, as an ".old." leftover
+        shutil.copytree(root / "step_000000000", ext / "ck")
+        before = snapshot(ext)
+        link = root / ".old.step_000000001.abcdef123456"
+        os.symlink(ext / "ck", link)
+    else:
+        link = root / f"{prefix}step_000000005.abcdef123456"
+        os.symlink(ext, link)
+    if how == "prune":
+        removed = checkpoint.prune(root, keep_last=1)
+    else:
+        checkpoint.save(root, at(9), keep_last=1)
+        removed = []
+    assert snapshot(ext) == before
+    assert link.is_symlink()
+    assert link not in removed
+
+
+def test_a_best_symlink_to_an_exported_copy_is_never_deleted(tmp_path):
+    root = tmp_path / "ck"
+    paths = saved(root, 3)
+    export = tmp_path / "export"
+    shutil.copytree(paths[0], export)  # the user keeps the first one elsewhere
+    before = snapshot(export)
+    os.symlink(export, root / "best")
+    checkpoint.save(root, at(7), keep_last=1)
+    checkpoint.prune(root, keep_last=1)
+    assert snapshot(export) == before
+    assert (root / "best").is_symlink()
+    assert checkpoint.latest(root).name == "step_000000007"
+
+
+def test_a_latest_symlink_never_empties_the_checkpoint_it_names(tmp_path):
+    root = tmp_path / "ck"
+    paths = saved(root, 3)
+    os.symlink(paths[-1].name, root / "latest")  # relative link to the newest
+    before = snapshot(paths[-1])
+    assert checkpoint.latest(root) == paths[-1]  # the real one, not the link
+    checkpoint.prune(root, keep_last=1)
+    assert snapshot(paths[-1]) == before
+    checkpoint.verify(paths[-1])
+    assert (root / "latest").is_symlink() and os.readlink(root / "latest") == paths[-1].name
+    assert sorted(p.name for p in root.iterdir()) == ["latest", paths[-1].name]
+
+
+def test_saving_under_the_name_of_a_symlink_is_refused(tmp_path):
+    root = tmp_path / "ck"
+    saved(root, 1)
+    export = tmp_path / "export"
+    shutil.copytree(root / "step_000000000", export)
+    before = snapshot(export)
+    os.symlink(export, root / "best")
+    with pytest.raises(CheckpointError, match="best'.*symbolic link.*another name"):
+        checkpoint.save(root, make(), name="best")
+    assert snapshot(export) == before and (root / "best").is_symlink()
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp.")]  # cleaned up
+
+
+def test_a_symlink_inside_a_pruned_checkpoint_is_removed_as_a_link(tmp_path):
+    root = tmp_path / "ck"
+    paths = saved(root, 2)
+    ext, before = outside(tmp_path)
+    os.symlink(ext, paths[0] / "notes")  # the user's link inside an old checkpoint
+    os.symlink(ext / "a.txt", paths[0] / "a.txt")
+    assert paths[0] in checkpoint.prune(root, keep_last=1)
+    assert not paths[0].exists()
+    assert snapshot(ext) == before
+
+
+def test_a_checkpoint_file_that_is_a_symlink_is_refused(tmp_path):
+    root = tmp_path / "ck"
+    (path,) = saved(root, 1)
+    data = next(p for p in path.iterdir() if p.suffix == ".distcp")
+    moved = tmp_path / "elsewhere.distcp"
+    shutil.move(data, moved)
+    os.symlink(moved, data)
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        checkpoint.verify(path)
+
+
+@pytest.mark.parametrize("directory", ["", " ", None, 3])
+def test_an_empty_or_missing_directory_name_is_refused(tmp_path, monkeypatch, directory):
+    monkeypatch.chdir(tmp_path)
+    err = ValueError if isinstance(directory, str) else TypeError
+    with pytest.raises(err, match="checkpoint.save: directory"):
+        checkpoint.save(directory, make())
+    with pytest.raises(err, match="checkpoint.prune: directory"):
+        checkpoint.prune(directory, keep_last=1)
+    with pytest.raises(err, match="checkpoint.latest: directory"):
+        checkpoint.latest(directory)
+    assert list(tmp_path.iterdir()) == []  # nothing written into the working directory
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+def _set(key, value):
+    def edit(m):
+        m[key] = value
+        return m
+
+    return edit
+
+
+def _drop(key):
+    def edit(m):
+        del m[key]
+        return m
+
+    return edit
+
+
+def _entry(field, value):
+    def edit(m):
+        m["entries"]["params/weight"][field] = value
+        return m
+
+    return edit
+
+
+def _files(value):
+    def edit(m):
+        name = next(iter(m["files"]))
+        m["files"][name] = value
+        return m
+
+    return edit
+
+
+MALFORMED = {
+    "step is a string": (_set("step", "3"), "'step' must be an integer"),
+    "step is a float": (_set("step", 1.5), "'step' must be an integer"),
+    "step is true": (_set("step", True), "'step' must be an integer"),
+    "step is negative": (_set("step", -1), "'step' must be an integer"),
+    "step is huge": (_set("step", 10**400), "'step' must be an integer"),
+    "no step": (_drop("step"), "'step' must be an integer"),
+    "micro is a string": (_set("micro", "a"), "'micro' must be null or an integer"),
+    "world_size 0": (_set("world_size", 0), "'world_size' must be an integer >= 1"),
+    "saved_at NaN": (_set("saved_at", math.nan), "'saved_at' must be a finite number"),
+    "saved_at huge": (_set("saved_at", 10**400), "'saved_at' must be a finite number"),
+    "module not a string": (_set("module", 5), "'module' must be a string"),
+    "files entry a list": (_files([1, 2]), "integer 'size'"),
+    "files entry a string": (_files("x"), "integer 'size'"),
+    "files entry bad hash": (_files({"size": 1, "sha256": "zz"}), "64 hex digits"),
+    "files a list": (_set("files", ["a"]), "'files' must be an object"),
+    "entries a list": (_set("entries", []), "'entries' must be an object"),
+    "dtype nonexistent": (_entry("dtype", "nonexistent"), "not a torch dtype"),
+    "dtype an attribute": (_entry("dtype", "load"), "not a torch dtype"),
+    "dtype a number": (_entry("dtype", 5), "not a torch dtype"),
+    "shape negative": (_entry("shape", [-1, 3]), "a shape is a list of integers"),
+    "shape a string": (_entry("shape", "abc"), "a shape is a list of integers"),
+    "shape huge": (_entry("shape", [2**40]), "entries come to"),
+    "statics not plain": (_set("statics", {"a": [1]}), "'statics' must be"),
+    "sharded not a list": (_set("sharded", "x"), "'sharded' must be a list"),
+    "not JSON": ("{not json", "unreadable fasttorch.json"),
+    "a JSON list": ("[1, 2]", "has format"),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_one_malformed_manifest_marks_only_that_checkpoint_unusable(tmp_path, case):
+    edit, match = MALFORMED[case]
+    root = tmp_path / "ck"
+    paths = saved(root, 3)
+    bad = paths[-1]  # the newest: latest() must fall back to the one before
+    mf = bad / checkpoint.MANIFEST
+    if isinstance(edit, str):
+        mf.write_text(edit)
+    else:
+        mf.write_text(json.dumps(edit(json.loads(mf.read_text()))))
+    with pytest.warns(UserWarning, match=f"skips '{bad}'.*{match}"):
+        assert checkpoint.latest(root) == paths[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reported once, not on every call
+        assert checkpoint.latest(root) == paths[1]
+        removed = checkpoint.prune(root, keep_last=1)
+    assert removed == [paths[0]]
+    assert bad.is_dir() and (bad / checkpoint.MANIFEST).is_file()  # kept, never deleted
+    state, data = checkpoint.load(paths[1], make())
+    assert data == {"i": 1}
+    for read in (checkpoint.verify, checkpoint.model_state_dict):
+        with pytest.raises(CheckpointError, match=match):
+            read(bad)
+    with pytest.raises(CheckpointError, match=match):
+        checkpoint.load(bad, make())
