@@ -73,6 +73,7 @@ __all__ = [
     "load",
     "model_state_dict",
     "prune",
+    "resume",
     "save",
     "verify",
 ]
@@ -241,6 +242,32 @@ def _describe(t: torch.Tensor, like: DTensor | None = None) -> dict[str, Any]:
     """Shape and dtype of an entry; of the whole tensor for a shard laid out as ``like``."""
     shape = t.shape if like is None else like.shape
     return {"shape": list(shape), "dtype": str(t.dtype).removeprefix("torch.")}
+
+
+def _export_keys(state: TrainState) -> dict[str, Any]:
+    """How the saved entries map onto ``module.state_dict()``'s keys, for the export.
+
+    ``non_persistent``: the buffers it leaves out (``persistent=False``, such as a
+    rotary ``inv_freq``), saved with the state but not exported. ``aliases``: its keys
+    that name a tensor the state keeps under another name (a tied weight), each with
+    the entry it comes from.
+    """
+    module = state.module
+    prefixes = _wrapper_prefixes(module)
+    exported = module.state_dict(keep_vars=True)
+    entry = {id(t): n for n, t in (*module.named_parameters(), *module.named_buffers())}
+    group = {n: "params" if n in state.params else "buffers" for n in entry.values()}
+    aliases = {}
+    for key, t in exported.items():
+        name = entry.get(id(t))
+        if name is not None and name != key:
+            aliases[_clean(key, prefixes)] = f"{group[name]}/{_clean(name, prefixes)}"
+    return {
+        "non_persistent": [
+            f"buffers/{_clean(n, prefixes)}" for n in state.buffers if n not in exported
+        ],
+        "aliases": aliases,
+    }
 
 
 def _class_name(module: torch.nn.Module) -> str:
@@ -473,6 +500,32 @@ def _dir_arg(directory: Any, api: str) -> Path:
     return Path(text)
 
 
+def _path_arg(path: Any, api: str) -> Path:
+    """The checkpoint ``path`` to read; ``None`` (what :func:`latest` returns for a
+    directory without checkpoints) is refused with what to do instead."""
+    if path is None:
+        raise CheckpointError(
+            f"{api} got path=None: there is no checkpoint to read. "
+            "fasttorch.checkpoint.latest(directory) returns None when the directory has "
+            "no complete checkpoint yet (a first run, or every save was interrupted). "
+            "Start from your fresh state in that case, or call "
+            "fasttorch.checkpoint.resume(directory, template), which loads the newest "
+            "checkpoint or returns the template when there is none"
+        )
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"{api}: path must be a checkpoint directory (str or os.PathLike), got "
+            f"{type(path).__name__} {path!r}"
+        )
+    text = os.fspath(path)
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(
+            f"{api}: path is {text!r}, which names no checkpoint. Pass a checkpoint "
+            "directory, e.g. fasttorch.checkpoint.latest(directory)"
+        )
+    return Path(text)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -613,6 +666,11 @@ def _manifest_problem(m: dict[str, Any]) -> str | None:
             f"its entries come to {claimed} bytes in all, but its files hold {stored} "
             "bytes (nothing was allocated)"
         )
+    aliases = m.get("aliases", {})
+    if not isinstance(aliases, dict) or not all(
+        isinstance(v, str) and v in entries for v in aliases.values()
+    ):
+        return "'aliases' must map names to entries of 'entries'"
     metric = m.get("metric")
     if metric is not None and not _is_finite(metric):
         return f"'metric' must be null or a finite number, got {metric!r}"
@@ -654,7 +712,7 @@ def verify(path: str | os.PathLike[str], *, hashes: bool = True) -> dict[str, An
         >>> fasttorch.checkpoint.verify(path)["step"]
         0
     """
-    p = Path(path)
+    p = _path_arg(path, "checkpoint.verify")
     manifest = _read_manifest(p)
     for name, info in manifest["files"].items():
         f = p / name
@@ -912,6 +970,7 @@ def _plan(
         "entries": {k: _describe(t, shards.get(i)) for i, (k, t) in enumerate(zip(keys, leaves))},
         "per_rank": [k for k in keys if _is_per_rank(k)],
         "sharded": [keys[i] for i in sorted(shards)],
+        **_export_keys(state),
     }
     return _Plan(d / name, tmp, tensors, manifest, keep_last)
 
@@ -1367,8 +1426,8 @@ def load(
         >>> int(state.step), data
         (0, 7)
     """
+    p = _path_arg(path, "checkpoint.load")
     check_alive(template, "checkpoint.load")
-    p = Path(path)
     rank, world = _rank_world()
     keys, leaves, spec = _flatten(template)
     if is_sharded(template.module) and not inplace:
@@ -1484,6 +1543,62 @@ def load(
     return state, value.value if isinstance(value, _Box) else None
 
 
+def resume(
+    directory: str | os.PathLike[str],
+    template: TrainState,
+    *,
+    data: Any = None,
+    inplace: bool = False,
+    verify_hashes: bool = True,
+) -> tuple[TrainState, Any]:
+    """Load the newest checkpoint in ``directory`` into ``template``, or start fresh.
+
+    One call for the start of every run: the same code serves the first run (no
+    checkpoint yet: ``(template, data)`` come back as given) and every restart (the
+    newest intact checkpoint, as :func:`latest` finds it, loaded by :func:`load`).
+    The plain equivalent::
+
+        path = latest(directory)
+        state, data = (template, data) if path is None else load(path, template)
+
+    Args:
+        directory: where the checkpoints are saved; it need not exist yet.
+        template: the fresh state, built as for :func:`load`; returned unchanged (and
+            not donated) when there is no checkpoint.
+        data: what to return as the data position when there is no checkpoint
+            (``{"next_batch": 0}``), so that the loop reads it the same way on both paths.
+        inplace: as in :func:`load`.
+        verify_hashes: as in :func:`latest` and :func:`load`.
+
+    Returns:
+        ``(state, data)``.
+
+    Example:
+        >>> import tempfile, torch, fasttorch
+        >>> def make():
+        ...     return fasttorch.TrainState.create(torch.nn.Linear(2, 1), fasttorch.optim.sgd(0.1))
+        >>> root = tempfile.mkdtemp()
+        >>> state, data = fasttorch.checkpoint.resume(root, make(), data={"next": 0})
+        >>> data
+        {'next': 0}
+        >>> _ = fasttorch.checkpoint.save(root, state, data={"next": 5})
+        >>> state, data = fasttorch.checkpoint.resume(root, make(), data={"next": 0})
+        >>> data
+        {'next': 5}
+    """
+    d = _dir_arg(directory, "checkpoint.resume")
+    if d.exists() and not d.is_dir():
+        raise CheckpointError(
+            f"checkpoint.resume: {str(d)!r} is not a directory; pass the directory the "
+            "checkpoints are saved in"
+        )
+    check_alive(template, "checkpoint.resume")
+    found = latest(d, verify_hashes=verify_hashes)
+    if found is None:
+        return template, data
+    return load(found, template, inplace=inplace, verify_hashes=verify_hashes)
+
+
 def model_state_dict(
     path: str | os.PathLike[str], *, trust_pickled: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -1502,14 +1617,14 @@ def model_state_dict(
         >>> torch.nn.Linear(2, 1).load_state_dict(fasttorch.checkpoint.model_state_dict(path))
         <All keys matched successfully>
     """
-    p = Path(path)
+    p = _path_arg(path, "checkpoint.model_state_dict")
     manifest = verify(p)
     request: dict[str, Any] = {}
+    left_out = set(manifest.get("non_persistent", ()))
     for key, info in manifest["entries"].items():
         group = key.partition("/")[0]
-        if group in ("params", "buffers"):
-            dtype = getattr(torch, info["dtype"])
-            request[key] = torch.empty(info["shape"], dtype=dtype)
+        if group in ("params", "buffers") and key not in left_out:
+            request[key] = torch.empty(info["shape"], dtype=_dtype(info["dtype"]))
     if trust_pickled:
         _trust_warning(p)
         reader: FileSystemReader = FileSystemReader(p)
@@ -1529,4 +1644,8 @@ def model_state_dict(
         raise _dcp_error(e, f"loading {str(p)!r}") from e
     except (OSError, RuntimeError, ValueError, EOFError) as e:
         raise CheckpointError(f"loading {str(p)!r} failed: {e!r}") from e
-    return {k.partition("/")[2]: v for k, v in request.items()}
+    out = {k.partition("/")[2]: v for k, v in request.items()}
+    for key, source in manifest.get("aliases", {}).items():  # tied weights, by each name
+        if source in request:
+            out[key] = request[source]
+    return out

@@ -174,11 +174,32 @@ class TrainState(struct.Record):
             reshard(self.module)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameters and buffers keyed like ``module.state_dict()``, for export."""
-        out = dict(self.module.state_dict(keep_vars=True))
-        for name, t in (*self.params.items(), *self.buffers.items()):
-            out[name] = t
-        return {k: v.detach() for k, v in out.items()}
+        """This state's values under exactly the keys of ``module.state_dict()``, for export.
+
+        What ``module.state_dict()`` leaves out stays out (a non-persistent buffer such
+        as a rotary embedding's ``inv_freq``), and a tied weight appears under each of
+        its names, so ``model.load_state_dict(state.state_dict())`` works strictly.
+
+        Example:
+            >>> import torch, fasttorch
+            >>> state = fasttorch.TrainState.create(torch.nn.Linear(2, 1), fasttorch.optim.sgd(0.1))
+            >>> torch.nn.Linear(2, 1).load_state_dict(state.state_dict())
+            <All keys matched successfully>
+        """
+        tensors = {**self.params, **self.buffers}
+        named = (
+            *self.module.named_parameters(remove_duplicate=False),
+            *self.module.named_buffers(remove_duplicate=False),
+        )
+        first: dict[int, str] = {}  # the module's tensor -> the name the state keeps it by
+        for name, t in named:
+            first.setdefault(id(t), name)
+        out = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            mine = tensors.get(first.get(id(value), key))
+            value = value if mine is None else mine
+            out[key] = value.detach() if isinstance(value, torch.Tensor) else value
+        return out
 
     def __getattr__(self, name: str) -> NoReturn:
         # Only reached when normal lookup fails: fields of a donated state are gone.

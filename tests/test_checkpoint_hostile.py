@@ -250,3 +250,100 @@ def test_one_malformed_manifest_marks_only_that_checkpoint_unusable(tmp_path, ca
             read(bad)
     with pytest.raises(CheckpointError, match=match):
         checkpoint.load(bad, make())
+
+
+# --------------------------------------------------------------------------- exports
+
+
+class Rotary(torch.nn.Module):
+    """A layer with a non-persistent buffer (as a rotary embedding's ``inv_freq``), a
+    persistent one, and a weight tied to another name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 4)
+        self.out = torch.nn.Linear(4, 4)
+        self.out.weight = self.inp.weight  # tied
+        self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.inp(x) * self.inv_freq) + self.count
+
+
+def test_exports_hold_exactly_what_module_state_dict_holds(tmp_path):
+    model = Rotary()
+    step = fasttorch.step(lambda apply, b: apply(b).square().mean())
+    state = fasttorch.TrainState.create(model, fasttorch.optim.sgd(0.1))
+    state, _ = step(state, torch.randn(2, 4))  # the state's tensors are no longer the module's
+    keys = set(Rotary().state_dict())
+    assert "inv_freq" not in keys and "out.weight" in keys
+    exported = state.state_dict()
+    assert set(exported) == keys
+    plain = Rotary()
+    plain.load_state_dict(exported)  # strict
+    assert torch.equal(plain.inp.weight, state.params["inp.weight"])
+    assert torch.equal(plain.out.weight, state.params["inp.weight"])  # the trained one
+    path = checkpoint.save(tmp_path, state)
+    from_disk = checkpoint.model_state_dict(path)
+    assert set(from_disk) == keys
+    plain = Rotary()
+    plain.load_state_dict(from_disk)
+    assert torch.equal(plain.out.weight, state.params["inp.weight"])
+    loaded, _ = checkpoint.load(path, fasttorch.TrainState.create(Rotary(), state.optimizer))
+    assert torch.equal(loaded.buffers["inv_freq"], torch.arange(4.0))  # still in the state
+
+
+def test_a_hugging_face_llama_exports_and_loads_back_strictly(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    assert any("inv_freq" in n for n, _ in model.named_buffers())
+    state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(1e-3))
+    fresh = transformers.LlamaForCausalLM(config)
+    fresh.load_state_dict(state.state_dict())  # strict
+    path = checkpoint.save(tmp_path, state)
+    fresh = transformers.LlamaForCausalLM(config)
+    fresh.load_state_dict(checkpoint.model_state_dict(path))
+    for name, p in model.named_parameters():
+        assert torch.equal(fresh.get_parameter(name), p), name
+
+
+# --------------------------------------------------------------------------- no checkpoint yet
+
+
+def test_loading_latest_of_an_empty_directory_says_what_to_do(tmp_path):
+    assert checkpoint.latest(tmp_path) is None
+    with pytest.raises(CheckpointError, match=r"path=None.*no checkpoint.*checkpoint.resume"):
+        checkpoint.load(checkpoint.latest(tmp_path), make())
+    with pytest.raises(CheckpointError, match=r"path=None"):
+        checkpoint.model_state_dict(None)
+    saved(tmp_path / "ck", 1)
+    with pytest.raises(CheckpointError, match="a directory of checkpoints.*latest"):
+        checkpoint.load(tmp_path / "ck", make())
+
+
+def test_resume_starts_fresh_then_loads_the_newest(tmp_path):
+    root = tmp_path / "not_yet"
+    fresh = make()
+    state, data = checkpoint.resume(root, fresh, data={"next": 0})
+    assert state is fresh and data == {"next": 0}
+    assert not root.exists()  # reading never creates it
+    paths = saved(root, 2)
+    state, data = checkpoint.resume(root, make(), data={"next": 0})
+    assert data == {"i": 1} and int(state.step) == 1
+    assert torch.equal(
+        state.params["weight"], checkpoint.load(paths[1], make())[0].params["weight"]
+    )
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="is not a directory"):
+        checkpoint.resume(tmp_path / "file", make())
