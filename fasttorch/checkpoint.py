@@ -411,7 +411,7 @@ def _as_checkpoint_error(what: str) -> Iterator[None]:
 # kill-injection tests stop a save or a prune before each of these calls in turn.
 
 
-_no_dir_sync_warned: set[str] = set()
+_no_dir_sync_warned: set[int] = set()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -427,8 +427,9 @@ def _fsync_dir(path: Path) -> None:
     except OSError as e:
         if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
             raise OSError(e.errno, f"fsync of the directory {str(path)!r} failed: {e}") from e
-        if str(path) not in _no_dir_sync_warned:
-            _no_dir_sync_warned.add(str(path))
+        device = os.fstat(fd).st_dev  # once per filesystem
+        if device not in _no_dir_sync_warned:
+            _no_dir_sync_warned.add(device)
             warnings.warn(
                 f"checkpoint: the filesystem of {str(path)!r} cannot fsync a directory "
                 f"({e.strerror}); renames there are not made durable against power loss",
@@ -981,21 +982,27 @@ def _write(plan: _Plan, pg: Any) -> Path:
     what = f"saving {str(plan.final)!r}"
     _inflight.add(str(plan.tmp))
     try:
-        with _as_checkpoint_error(what), _quiet():
-            _dcp_save(  # fails on every rank together, so no rank waits below
-                plan.tensors,
-                storage_writer=FileSystemWriter(plan.tmp, sync_files=True),
-                process_group=pg,
-                no_dist=not _distributed(),
-            )
+        try:
+            with _as_checkpoint_error(what), _quiet():
+                _dcp_save(  # fails on every rank together, so no rank waits below
+                    plan.tensors,
+                    storage_writer=FileSystemWriter(plan.tmp, sync_files=True),
+                    process_group=pg,
+                    no_dist=not _distributed(),
+                )
+        except CheckpointError as e:
+            if rank == 0 and _an_error(e):  # every rank is done with it: DCP failed on all
+                _remove_own(plan.tmp, e)
+            raise
         error: str | None = None
         if rank == 0:
             try:
-                _publish(plan)
+                with _as_checkpoint_error(what):
+                    _publish(plan)
             except BaseException as e:  # the other ranks must hear of it, even of a kill
                 error = f"{type(e).__name__}: {e}"
                 if isinstance(e, Exception):
-                    _discard(plan.tmp)
+                    _remove_own(plan.tmp, e)
                 raise
             finally:
                 with _as_checkpoint_error(what):
@@ -1008,6 +1015,29 @@ def _write(plan: _Plan, pg: Any) -> Path:
     finally:
         _inflight.discard(str(plan.tmp))
     return plan.final
+
+
+def _an_error(e: BaseException) -> bool:
+    """Whether a failed write failed by an error, not by an interruption (a kill, ^C):
+    an interrupted save leaves its ``.tmp.`` directory to the next prune, as a real
+    kill would; a failed one removes it at once (five failures on a full disk must not
+    leave five partial copies)."""
+    cause = e.__cause__
+    if isinstance(cause, CheckpointException):
+        return all(
+            isinstance(f[0] if isinstance(f, tuple) else f, Exception)
+            for f in cause.failures.values()
+        )
+    return cause is None or isinstance(cause, Exception)
+
+
+def _remove_own(tmp: Path, error: BaseException) -> None:
+    """Remove the ``.tmp.`` directory of this failed save (only its own, by its unique
+    name); a failure to do so is noted on the save's error, which is what is raised."""
+    try:
+        _discard(tmp)
+    except (OSError, CheckpointError) as e:
+        error.add_note(f"its partial directory {str(tmp)!r} could not be removed: {e}")
 
 
 def _publish(plan: _Plan) -> None:
@@ -1045,7 +1075,14 @@ def _publish(plan: _Plan) -> None:
         os.rename(plan.final, old)
     try:
         os.rename(plan.tmp, plan.final)
-        _fsync_dir(plan.final.parent)
+        try:
+            _fsync_dir(plan.final.parent)
+        except OSError as e:
+            raise CheckpointError(
+                f"saved {str(plan.final)!r}, but making its rename durable failed: {e}. "
+                "It is visible and complete, but may not survive a power loss or a "
+                "crash of the machine; check the filesystem, then save again"
+            ) from e
         if old is not None:
             _discard(old)
     finally:

@@ -5,10 +5,12 @@ checkpoint never stops the others from loading."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import shutil
+import stat
 import warnings
 from pathlib import Path
 
@@ -347,3 +349,74 @@ def test_resume_starts_fresh_then_loads_the_newest(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(CheckpointError, match="is not a directory"):
         checkpoint.resume(tmp_path / "file", make())
+
+
+# --------------------------------------------------------------------------- failed saves
+
+
+def _failing_fsync(monkeypatch, code: int, *, dirs: bool, nth: int = 1) -> list[int]:
+    """os.fsync raises OSError(code) on the nth call for a directory (dirs) or a file."""
+    real = os.fsync
+    seen: list[int] = []
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode) == dirs:
+            seen.append(fd)
+            if len(seen) == nth:
+                raise OSError(code, os.strerror(code))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return seen
+
+
+def test_failed_saves_remove_their_own_partial_directory_only(tmp_path, monkeypatch):
+    root = tmp_path / "ck"
+    (first,) = saved(root, 1)
+    other = root / ".tmp.step_000000001.0123456789ab"  # another save's, in progress
+    other.mkdir()
+    (other / "part").write_text("x")
+    for i in range(5):  # a full disk: every data file's fsync fails
+        _failing_fsync(monkeypatch, errno.ENOSPC, dirs=False)
+        with pytest.raises(CheckpointError, match="No space left on device"):
+            checkpoint.save(root, at(2 + i))
+        monkeypatch.undo()
+    assert sorted(p.name for p in root.iterdir()) == sorted([first.name, other.name])
+    assert (other / "part").read_text() == "x"
+    checkpoint.verify(first)
+
+
+@pytest.mark.parametrize("nth", [1, 2])
+def test_a_failed_directory_fsync_fails_the_save(tmp_path, monkeypatch, nth):
+    root = tmp_path / "ck"
+    saved(root, 1)
+    seen = _failing_fsync(monkeypatch, errno.EIO, dirs=True, nth=nth)
+    with pytest.raises(CheckpointError, match="Input/output error") as e:
+        checkpoint.save(root, at(1))
+    monkeypatch.undo()
+    assert len(seen) == nth
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp.")]
+    if nth == 1:  # the new checkpoint's own directory: nothing was published
+        assert checkpoint.latest(root).name == "step_000000000"
+    else:  # the rename that published it: visible, but the save says it is not durable
+        assert "visible and complete, but may not survive a power loss" in str(e.value)
+        assert checkpoint.latest(root).name == "step_000000001"
+
+
+def test_a_filesystem_that_cannot_sync_directories_warns_once(tmp_path, monkeypatch):
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(checkpoint, "_no_dir_sync_warned", set())
+    with pytest.warns(UserWarning, match="cannot fsync a directory") as record:
+        checkpoint.save(tmp_path, at(0))
+    assert len([r for r in record if "cannot fsync" in str(r.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checkpoint.save(tmp_path, at(1))
+    assert checkpoint.latest(tmp_path).name == "step_000000001"
