@@ -38,12 +38,14 @@ import math
 import os
 import pickle
 import re
+import sys
 import threading
 import time
 import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -69,6 +71,7 @@ __all__ = [
     "CheckpointMismatchError",
     "SaveHandle",
     "async_save",
+    "export_safetensors",
     "latest",
     "load",
     "model_state_dict",
@@ -77,6 +80,12 @@ __all__ = [
     "save",
     "verify",
 ]
+
+fcntl: ModuleType | None
+try:
+    import fcntl
+except ImportError:  # not on Windows: saves there are not locked (see _lock)
+    fcntl = None
 
 # Format 2 stores ``data`` as JSON; format 1 pickled it (read only with trust_pickled).
 FORMAT = 2
@@ -324,6 +333,12 @@ def _restore_statics(obj: Any, path: str, facts: dict[str, Any]) -> Any:
             where = f"{path}/{f.name}" if path else f.name
             if f.metadata.get("fasttorch_static", False):
                 if isinstance(value, _SCALARS) and where in facts and facts[where] != value:
+                    if type(facts[where]) is not type(value):  # a hand-edited manifest
+                        raise CheckpointMismatchError(
+                            f"checkpoint static field {where!r} is {facts[where]!r} "
+                            f"({type(facts[where]).__name__}); the template's is "
+                            f"{value!r} ({type(value).__name__})"
+                        )
                     changes[f.name] = facts[where]
             else:
                 new = _restore_statics(value, where, facts)
@@ -814,21 +829,31 @@ def latest(directory: str | os.PathLike[str], *, verify_hashes: bool = True) -> 
 _inflight: set[str] = set()
 
 
-def prune(directory: str | os.PathLike[str], keep_last: int) -> list[Path]:
+def prune(
+    directory: str | os.PathLike[str],
+    keep_last: int,
+    *,
+    keep_best: int | None = None,
+    mode: str = "min",
+) -> list[Path]:
     """Keep the ``keep_last`` newest intact checkpoints in ``directory``; delete older ones.
 
     Each candidate is verified (sizes and SHA-256) from the newest down until
     ``keep_last`` intact ones are found; those are kept, and every checkpoint older
-    than the oldest of them is deleted. A corrupted checkpoint newer than that is
-    left in place, with a warning, and does not count: a corrupted newest copy never
-    costs you the intact one before it. Also removes what interrupted saves and
-    prunes left: ``.tmp.`` directories not being written by this process, ``.del.``
-    directories, and ``.old.`` copies whose replacement is intact (an ``.old.`` copy
-    whose replacement is missing is renamed back). Every deletion starts with one
-    rename to ``.del.<name>.<id>``, so a kill never leaves a half-deleted checkpoint
-    under a visible name. Returns the paths removed. Call it on one process only
-    (:func:`save` does, on rank 0, with ``keep_last=``), never while another process
-    saves into the same directory.
+    than the oldest of them is deleted, except the ``keep_best`` intact ones with the
+    best ``metric`` (given to :func:`save`; lowest for ``mode="min"``, highest for
+    ``"max"``; checkpoints saved without one never count as best). A corrupted
+    checkpoint newer than that is left in place, with a warning, and does not count:
+    a corrupted newest copy never costs you the intact one before it. Also removes
+    what interrupted saves and prunes left: ``.tmp.`` directories not being written
+    by this process, ``.del.`` directories, and ``.old.`` copies whose replacement is
+    intact (an ``.old.`` copy whose replacement is missing is renamed back). Every
+    deletion starts with one rename to ``.del.<name>.<id>``, so a kill never leaves a
+    half-deleted checkpoint under a visible name. Symbolic links are never followed,
+    deleted or renamed, and a directory whose manifest is malformed is never deleted
+    (both are left to you). Returns the paths removed. One process at a time: a
+    prune or save of another process in the same directory is refused
+    (``CheckpointError``); :func:`save` prunes on rank 0, with ``keep_last=``.
 
     Example:
         >>> import tempfile, torch, fasttorch
@@ -839,11 +864,21 @@ def prune(directory: str | os.PathLike[str], keep_last: int) -> list[Path]:
         >>> [p.name for p in fasttorch.checkpoint.prune(root, keep_last=1)]
         ['a']
     """
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise ValueError(f"prune: keep_last must be an integer >= 1, got {keep_last!r}")
-    d = _dir_arg(directory, "checkpoint.prune")
+    api = "checkpoint.prune"
+    if keep_last is None:
+        raise ValueError(f"{api}: keep_last must be an integer >= 1, got None")
+    keep = _check_keep(api, keep_last, keep_best, mode, saving=False)
+    d = _dir_arg(directory, api)
     if not d.is_dir():
         return []
+    lock = _lock(d, api)
+    try:
+        return _prune(d, keep)
+    finally:
+        _unlock(lock)
+
+
+def _prune(d: Path, keep: _Keep) -> list[Path]:
     busy = set(_inflight)
     removed: list[Path] = []
     for p in sorted(d.iterdir()):  # committed deletions and stale temporaries first
@@ -864,7 +899,7 @@ def prune(directory: str | os.PathLike[str], keep_last: int) -> list[Path]:
                 warnings.warn(
                     f"checkpoint.prune keeps {str(p)!r}, which is corrupted: {e}",
                     UserWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
                 intact[p] = False
         return intact[p]
@@ -875,24 +910,40 @@ def prune(directory: str | os.PathLike[str], keep_last: int) -> list[Path]:
         for p, _ in found
         if p.name.startswith(_OLD) and _old_target(p) in names and ok(_old_target(p))
     ]
+    newest = [pm for pm in sorted(found, key=_order, reverse=True) if pm[0] not in superseded]
     kept: list[Path] = []
     doomed: list[Path] = []
-    for p, _ in sorted(found, key=_order, reverse=True):
-        if p in superseded:
-            continue
-        if len(kept) < keep_last:
+    for p, _ in newest:
+        if len(kept) < (keep.last or 0):
             if ok(p):
                 kept.append(p)
         else:
             doomed.append(p)
+    best = _best(newest, keep, ok)
+    doomed = [p for p in doomed if p not in best]
     for p in superseded + doomed:
         _discard(p)
         removed.append(p)
-    for p in kept:  # an interrupted replacement: the previous copy takes its name back
+    for p in kept + best:  # an interrupted replacement: the previous copy takes its name back
         if p.name.startswith(_OLD) and not os.path.lexists(_old_target(p)):
             os.rename(p, _old_target(p))
             _fsync_dir(d)
     return removed
+
+
+def _best(newest: list[tuple[Path, dict[str, Any]]], keep: _Keep, ok: Any) -> list[Path]:
+    """The ``keep.best`` intact checkpoints with the best metric (newest first on ties)."""
+    if not keep.best:
+        return []
+    sign = 1.0 if keep.mode == "min" else -1.0
+    scored = [(p, m["metric"]) for p, m in newest if m.get("metric") is not None]
+    best: list[Path] = []
+    for p, _ in sorted(scored, key=lambda pm: sign * pm[1]):  # stable: newest first
+        if len(best) == keep.best:
+            break
+        if ok(p):
+            best.append(p)
+    return best
 
 
 # --------------------------------------------------------------------------- save
@@ -904,7 +955,63 @@ class _Plan:
     tmp: Path
     tensors: dict[str, Any]
     manifest: dict[str, Any]
-    keep_last: int | None
+    keep: _Keep
+    lock: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Keep:
+    """What a save prunes to afterwards: the newest ``last``, and the ``best`` by metric."""
+
+    last: int | None = None
+    best: int | None = None
+    mode: str = "min"
+
+
+def _check_keep(api: str, keep_last: Any, keep_best: Any, mode: Any, *, saving: bool) -> _Keep:
+    for what, value in (("keep_last", keep_last), ("keep_best", keep_best)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"{api}: {what} must be None or an integer >= 1, got {value!r}")
+    if mode not in ("min", "max"):
+        raise ValueError(
+            f"{api}: mode must be 'min' (lower metric is better, a loss) or 'max' (an "
+            f"accuracy), got {mode!r}"
+        )
+    if saving and keep_best is not None and keep_last is None:
+        raise ValueError(
+            f"{api}: keep_best={keep_best} needs keep_last too (the newest checkpoints, "
+            "kept to resume from; the best ones are kept beside them), e.g. keep_last=1"
+        )
+    return _Keep(keep_last, keep_best, mode)
+
+
+def _check_metric(api: str, metric: Any) -> float | None:
+    """``metric`` as a finite float (a 0-d tensor is read once, here, between steps)."""
+    if metric is None:
+        return None
+    if isinstance(metric, torch.Tensor) and metric.numel() == 1 and not metric.is_complex():
+        metric = metric.detach().reshape(()).item()
+    if isinstance(metric, bool) or not isinstance(metric, (int, float)) or not _is_finite(metric):
+        raise ValueError(
+            f"{api}: metric must be a finite number (or a one-element tensor), got "
+            f"{metric!r}. Pass None for a checkpoint that must not compete for keep_best "
+            "(a diverged run's NaN loss, for instance)"
+        )
+    return float(metric)
+
+
+def _optimizer_name(optimizer: Any) -> str:
+    """The optimizer as the user chose it: ``AdamW`` for fasttorch.optim.adamw (an
+    ``Adam`` with decoupled weight decay), ``TorchOptimizer(RMSprop)`` for from_torch."""
+    name = type(optimizer).__name__
+    if getattr(optimizer, "decoupled_weight_decay", False) is True:
+        name += "W"
+    cls = getattr(optimizer, "cls", None)
+    if isinstance(cls, type):
+        name += f"({cls.__name__})"
+    return name
 
 
 def _plan(
@@ -912,16 +1019,19 @@ def _plan(
     state: TrainState,
     data: Any,
     name: str | None,
-    keep_last: int | None,
+    keep: _Keep,
+    metric: float | None,
     pg: Any,
     api: str,
 ) -> _Plan:
     check_alive(state, api)
-    if keep_last is not None and (
-        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
-    ):
-        raise ValueError(f"{api}: keep_last must be None or an integer >= 1, got {keep_last!r}")
-    rank, world = _rank_world()
+    rank, _ = _rank_world()
+    d = _dir_arg(directory, api)
+    if d.exists() and not d.is_dir():
+        raise CheckpointError(
+            f"{api}: {str(d)!r} exists and is not a directory; name a directory for the "
+            "checkpoints (it is created if missing)"
+        )
     keys, leaves, _ = _flatten(state)
     step = int(state.step)
     window = state.substates.get(ACCUM_KEY)
@@ -937,13 +1047,34 @@ def _plan(
         problem: Exception | None = None
     except TypeError as e:
         blob, problem = None, e
-    _agree(problem, api)
-    d = _dir_arg(directory, api)
-    if d.exists() and not d.is_dir():
-        raise CheckpointError(
-            f"{api}: {str(d)!r} exists and is not a directory; name a directory for the "
-            "checkpoints (it is created if missing)"
-        )
+    lock = None
+    if problem is None and rank == 0:  # one writer per directory (see _lock)
+        try:
+            lock = _lock(d, api)
+        except (CheckpointError, OSError) as e:
+            problem = e
+    try:
+        _agree(problem, api)
+        return _plan_write(d, name, state, keys, leaves, blob, keep, metric, lock, pg, api)
+    except BaseException:
+        _unlock(lock)
+        raise
+
+
+def _plan_write(
+    d: Path,
+    name: str,
+    state: TrainState,
+    keys: list[str],
+    leaves: list[Any],
+    blob: torch.Tensor | None,
+    keep: _Keep,
+    metric: float | None,
+    lock: Any,
+    pg: Any,
+    api: str,
+) -> _Plan:
+    rank, world = _rank_world()
     token = uuid.uuid4().hex[:12] if rank == 0 else None
     if rank == 0:  # from now on, no prune of this process takes it for a leftover
         _inflight.add(str(d / f"{_TMP}{name}.{token}"))
@@ -960,20 +1091,85 @@ def _plan(
     tensors[f"rank{rank}/{_DATA}"] = blob
     statics: dict[str, Any] = {}
     _statics(state, "", statics)
+    window = state.substates.get(ACCUM_KEY)
     manifest = {
         "format": FORMAT,
-        "step": step,
-        "micro": micro,
+        "step": int(state.step),
+        "micro": getattr(window, "micro", None),
         "world_size": world,
         "module": _class_name(state.module),
-        "optimizer": type(state.optimizer).__name__,
+        "optimizer": _optimizer_name(state.optimizer),
         "statics": statics,
         "entries": {k: _describe(t, shards.get(i)) for i, (k, t) in enumerate(zip(keys, leaves))},
         "per_rank": [k for k in keys if _is_per_rank(k)],
         "sharded": [keys[i] for i in sorted(shards)],
         **_export_keys(state),
+        "metric": metric,
     }
-    return _Plan(d / name, tmp, tensors, manifest, keep_last)
+    return _Plan(d / name, tmp, tensors, manifest, keep, lock)
+
+
+# --------------------------------------------------------------------------- one writer
+
+_locks: dict[tuple[int, int], list[int]] = {}  # directory -> [fd, saves of this process]
+_locks_guard = threading.Lock()
+_no_lock_warned: set[int] = set()
+
+
+def _lock(d: Path, api: str) -> tuple[int, int] | None:
+    """Hold ``d``'s advisory lock (``flock`` on the directory itself; no file is added)
+    for a save or prune of this process; refuse if another process holds it.
+
+    Two processes saving or pruning one directory would delete each other's
+    temporaries mid-write. The saves of one process (a ``save`` during an
+    ``async_save``) share the lock and are kept apart by ``_inflight``. Where the
+    filesystem cannot lock (some network mounts), it warns once and goes on.
+    """
+    d.mkdir(parents=True, exist_ok=True)
+    info = os.stat(d)
+    key = (info.st_dev, info.st_ino)
+    with _locks_guard:
+        if key in _locks:
+            _locks[key][1] += 1
+            return key
+        fd = os.open(d, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            if fcntl is None:
+                raise OSError(errno.ENOTSUP, "no fcntl module on this platform")
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CheckpointError(
+                f"{api}: another process is saving into or pruning {str(d)!r} right now "
+                "(it holds the directory's lock). Two writers would delete each other's "
+                "unfinished checkpoints, so fasttorch supports one writer per directory: "
+                "give each job its own directory (in a distributed job every rank calls "
+                "save, and rank 0 alone changes the directory)"
+            ) from None
+        except OSError as e:
+            os.close(fd)
+            if info.st_dev not in _no_lock_warned:
+                _no_lock_warned.add(info.st_dev)
+                warnings.warn(
+                    f"{api}: cannot lock {str(d)!r} ({e}); a second process saving into "
+                    "the same directory would not be detected. Use one writer per directory",
+                    UserWarning,
+                    stacklevel=4,
+                )
+            return None
+        _locks[key] = [fd, 1]
+        return key
+
+
+def _unlock(key: tuple[int, int] | None) -> None:
+    if key is None:
+        return
+    with _locks_guard:
+        entry = _locks[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _locks[key]
+            os.close(entry[0])  # releases the flock
 
 
 def _write(plan: _Plan, pg: Any) -> Path:
@@ -1014,6 +1210,7 @@ def _write(plan: _Plan, pg: Any) -> Path:
                 raise CheckpointError(f"rank 0 could not complete {str(plan.final)!r}: {error}")
     finally:
         _inflight.discard(str(plan.tmp))
+        _unlock(plan.lock)
     return plan.final
 
 
@@ -1088,8 +1285,8 @@ def _publish(plan: _Plan) -> None:
     finally:
         if old is not None:
             _inflight.discard(str(old))
-    if plan.keep_last is not None:
-        prune(plan.final.parent, plan.keep_last)
+    if plan.keep.last is not None:
+        prune(plan.final.parent, plan.keep.last, keep_best=plan.keep.best, mode=plan.keep.mode)
 
 
 def save(
@@ -1099,6 +1296,9 @@ def save(
     data: Any = None,
     name: str | None = None,
     keep_last: int | None = None,
+    metric: float | torch.Tensor | None = None,
+    keep_best: int | None = None,
+    mode: str = "min",
 ) -> Path:
     """Save ``state`` (and your ``data`` position) as a new checkpoint in ``directory``.
 
@@ -1142,7 +1342,9 @@ def save(
         >>> path.name, fasttorch.checkpoint.latest(root) == path
         ('step_000000000', True)
     """
-    plan = _plan(directory, state, data, name, keep_last, None, "checkpoint.save")
+    api = "checkpoint.save"
+    keep = _check_keep(api, keep_last, keep_best, mode, saving=True)
+    plan = _plan(directory, state, data, name, keep, _check_metric(api, metric), None, api)
     return _write(plan, None)
 
 
@@ -1205,6 +1407,9 @@ def async_save(
     data: Any = None,
     name: str | None = None,
     keep_last: int | None = None,
+    metric: float | torch.Tensor | None = None,
+    keep_best: int | None = None,
+    mode: str = "min",
 ) -> SaveHandle:
     """Like :func:`save`, but write in a background thread; return at once.
 
@@ -1224,10 +1429,16 @@ def async_save(
     """
     wait_pending()
     pg = _async_group()
-    plan = _plan(directory, state, data, name, keep_last, pg, "checkpoint.async_save")
-    plan.tensors = {k: _stage(v) for k, v in plan.tensors.items()}
-    if torch.cuda.is_available() and state.device.type == "cuda":
-        torch.cuda.synchronize(state.device)
+    api = "checkpoint.async_save"
+    keep = _check_keep(api, keep_last, keep_best, mode, saving=True)
+    plan = _plan(directory, state, data, name, keep, _check_metric(api, metric), pg, api)
+    try:
+        plan.tensors = {k: _stage(v) for k, v in plan.tensors.items()}
+        if torch.cuda.is_available() and state.device.type == "cuda":
+            torch.cuda.synchronize(state.device)
+    except BaseException:
+        _unlock(plan.lock)
+        raise
     handle = SaveHandle(plan.final, None)
 
     def work() -> None:
@@ -1368,13 +1579,15 @@ def _check_fit(
     leaves: list[Any],
     where: str,
     shards: dict[int, DTensor],
+    template: TrainState,
 ) -> None:
     """Every entry of the template in the checkpoint, with its (global) shape and dtype."""
     saved: dict[str, Any] = manifest["entries"]
     origin = (
-        f"(the checkpoint holds a {manifest['module']} trained by {manifest['optimizer']}; "
-        "build the template the same way: model, optimizer, and step.init(...) of the "
-        "same transforms)"
+        f"(the checkpoint holds a {manifest['module']} trained by {manifest['optimizer']}, "
+        f"the template a {_class_name(template.module)} trained by "
+        f"{_optimizer_name(template.optimizer)}; build the template the same way: model, "
+        "optimizer, and step.init(...) of the same transforms)"
     )
     was_sharded = set(manifest.get("sharded", ()))
     for i, (key, leaf) in enumerate(zip(keys, leaves)):
@@ -1483,7 +1696,7 @@ def load(
     problem: CheckpointError | None = None
     try:
         manifest = verify(p, hashes=verify_hashes)
-        _check_fit(manifest, keys, leaves, repr(str(p)), shards)
+        _check_fit(manifest, keys, leaves, repr(str(p)), shards, template)
         saved_world = int(manifest["world_size"])
         fresh_rank = rank >= saved_world
         if fresh_rank and manifest["micro"]:
@@ -1686,3 +1899,130 @@ def model_state_dict(
         if source in request:
             out[key] = request[source]
     return out
+
+
+# --------------------------------------------------------------------------- safetensors
+# The format (https://github.com/huggingface/safetensors, "Format"): an 8-byte
+# little-endian header length, a JSON header {name: {dtype, shape, data_offsets}} with
+# optional "__metadata__" (str -> str), then the raw little-endian bytes. It is written
+# here (~40 lines) rather than through the `safetensors` package, so that exporting
+# needs no extra dependency; the tests read the files back with `safetensors` itself.
+
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+def export_safetensors(
+    source: str | os.PathLike[str] | TrainState,
+    file: str | os.PathLike[str],
+    *,
+    metadata: dict[str, str] | None = None,
+) -> Path:
+    """Write a model's weights to one ``.safetensors`` file that loads without fasttorch.
+
+    ``source`` is a checkpoint directory (its :func:`model_state_dict`) or a live
+    ``TrainState`` (its ``state_dict()``): exactly the keys of ``model.state_dict()``.
+    Read it back with ``safetensors.torch.load_file(file)`` and
+    ``model.load_state_dict(...)``, or hand it to any tool that reads safetensors. The
+    file is written beside its final name and renamed into place once complete (an
+    existing file, or a link, of that name is replaced, never written through).
+
+    The plain PyTorch equivalent:
+    ``safetensors.torch.save_file(model.state_dict(), file, metadata={"format": "pt"})``.
+
+    Args:
+        source: a checkpoint directory or a state (not a sharded one: export its
+            checkpoint, which holds the whole tensors).
+        file: the file to write; its directory must exist.
+        metadata: extra ``str -> str`` entries for the header (``"format": "pt"`` is
+            always set, as Hugging Face libraries expect).
+
+    Example:
+        >>> import tempfile, os, torch, fasttorch
+        >>> from safetensors.torch import load_file
+        >>> state = fasttorch.TrainState.create(torch.nn.Linear(2, 1), fasttorch.optim.sgd(0.1))
+        >>> out = fasttorch.checkpoint.export_safetensors(
+        ...     state, os.path.join(tempfile.mkdtemp(), "model.safetensors"))
+        >>> torch.nn.Linear(2, 1).load_state_dict(load_file(out))
+        <All keys matched successfully>
+    """
+    api = "checkpoint.export_safetensors"
+    if isinstance(source, TrainState):
+        check_alive(source, api)
+        if is_sharded(source.module):
+            raise ValueError(
+                f"{api}: the state is sharded (FSDP2), so it holds only this rank's "
+                "shards. Save a checkpoint and export that path: it holds whole tensors"
+            )
+        tensors = {k: v for k, v in source.state_dict().items() if isinstance(v, torch.Tensor)}
+    else:
+        tensors = model_state_dict(_path_arg(source, api))
+    out = _file_arg(file, api)
+    head: dict[str, Any] = {"__metadata__": {**(metadata or {}), "format": "pt"}}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in head["__metadata__"].items()):
+        raise TypeError(f"{api}: metadata must map str to str, got {metadata!r}")
+    blobs = []
+    offset = 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().to("cpu").contiguous()
+        if t.dtype not in _ST_DTYPES:
+            raise TypeError(f"{api}: {name!r} is a {t.dtype} tensor, which safetensors cannot hold")
+        raw = t.reshape(-1).view(torch.uint8)
+        head[name] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + raw.numel()],
+        }
+        offset += raw.numel()
+        blobs.append(raw)
+    _write_safetensors(out, head, blobs)
+    return out
+
+
+def _file_arg(file: Any, api: str) -> Path:
+    if not isinstance(file, (str, os.PathLike)) or not str(os.fspath(file)).strip():
+        raise ValueError(f"{api}: file must name a file to write, got {file!r}")
+    out = Path(os.fspath(file))  # type: ignore[arg-type]
+    if out.is_dir() and not _is_link(out):
+        raise CheckpointError(
+            f"{api}: {str(out)!r} is a directory; name a file, e.g. model.safetensors"
+        )
+    if not out.parent.is_dir():
+        raise CheckpointError(
+            f"{api}: the directory of {str(out)!r} does not exist; create it first"
+        )
+    return out
+
+
+def _write_safetensors(out: Path, head: dict[str, Any], blobs: list[torch.Tensor]) -> None:
+    if sys.byteorder != "little":
+        raise CheckpointError("export_safetensors writes little-endian data; this machine is not")
+    text = json.dumps(head, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        with open(tmp, "xb") as f:  # a new file of ours: never an existing one or a link
+            f.write(len(text).to_bytes(8, "little"))
+            f.write(text)
+            for raw in blobs:
+                f.write(raw.numpy().tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(out.parent)

@@ -9,6 +9,7 @@ position for a checkpoint (:class:`Prefetcher`, :func:`to_json`);
 from __future__ import annotations
 
 import collections
+import math
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -247,12 +248,38 @@ def from_json(obj: Any) -> Any:
         return [from_json(v) for v in obj]
     if isinstance(obj, dict):
         if _TENSOR in obj:
-            dtype = getattr(torch, str(obj[_TENSOR]), None)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"from_json: unknown tensor dtype {obj[_TENSOR]!r}")
-            return torch.tensor(obj["data"], dtype=dtype).reshape(obj["shape"])
+            return _tensor_from_json(obj)
         return {k: from_json(v) for k, v in obj.items()}
     return obj
+
+
+def _tensor_from_json(obj: dict[str, Any]) -> torch.Tensor:
+    """A ``{"__tensor__": dtype, "shape": [...], "data": [...]}`` entry as a tensor, every
+    field checked first (a hand-edited or truncated entry gives a clear ValueError)."""
+    name = obj[_TENSOR]
+    dtype = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"from_json: unknown tensor dtype {name!r}")
+    shape, data = obj.get("shape"), obj.get("data")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise ValueError(
+            f"from_json: a {_TENSOR!r} entry needs 'shape', a list of integers >= 0 (as "
+            f"to_json writes it), got {shape!r}"
+        )
+    if not isinstance(data, list) or len(data) != math.prod(shape):
+        got = f"{len(data)} values" if isinstance(data, list) else repr(data)
+        raise ValueError(
+            f"from_json: a {_TENSOR!r} entry of shape {shape} needs 'data', a list of "
+            f"{math.prod(shape)} values (as to_json writes it), got {got}"
+        )
+    try:
+        return torch.tensor(data, dtype=dtype).reshape(shape)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise ValueError(
+            f"from_json: the 'data' of a {name} tensor entry must be a flat list of numbers: {e}"
+        ) from e
 
 
 def _pinned(t: torch.Tensor) -> torch.Tensor:

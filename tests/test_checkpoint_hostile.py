@@ -11,6 +11,9 @@ import math
 import os
 import shutil
 import stat
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -318,6 +321,15 @@ def test_a_hugging_face_llama_exports_and_loads_back_strictly(tmp_path):
     fresh.load_state_dict(checkpoint.model_state_dict(path))
     for name, p in model.named_parameters():
         assert torch.equal(fresh.get_parameter(name), p), name
+    # One file that transformers reads by itself, and the save_pretrained recipe.
+    out = checkpoint.export_safetensors(path, tmp_path / "model.safetensors")
+    again = transformers.LlamaForCausalLM(config)
+    again.load_state_dict(pytest.importorskip("safetensors.torch").load_file(out))
+    fresh.save_pretrained(tmp_path / "hf")
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    for name, p in model.named_parameters():
+        assert torch.equal(back.get_parameter(name), p), name
+        assert torch.equal(again.get_parameter(name), p), name
 
 
 # --------------------------------------------------------------------------- no checkpoint yet
@@ -420,3 +432,154 @@ def test_a_filesystem_that_cannot_sync_directories_warns_once(tmp_path, monkeypa
         warnings.simplefilter("error")
         checkpoint.save(tmp_path, at(1))
     assert checkpoint.latest(tmp_path).name == "step_000000001"
+
+
+# --------------------------------------------------------------------------- clear errors
+
+
+def test_a_mismatch_names_both_optimizers_as_the_user_chose_them(tmp_path):
+    state = fasttorch.TrainState.create(torch.nn.Linear(3, 2), fasttorch.optim.adamw(1e-3))
+    path = checkpoint.save(tmp_path, state)
+    other = fasttorch.TrainState.create(torch.nn.Linear(3, 2), fasttorch.optim.sgd(0.1))
+    with pytest.raises(checkpoint.CheckpointMismatchError) as e:
+        checkpoint.load(path, other)
+    assert "holds a Linear trained by AdamW, the template a Linear trained by SGD" in str(e.value)
+
+
+def test_a_hand_edited_static_of_another_type_is_refused(tmp_path):
+    step = fasttorch.grad_accumulate(
+        fasttorch.step(lambda apply, b: apply(b).square().mean()), 2, across_calls=True
+    )
+    state = step.init(fasttorch.TrainState.create(torch.nn.Linear(3, 2), fasttorch.optim.sgd(0.1)))
+    state, _ = step(state, torch.randn(2, 3))
+    path = checkpoint.save(tmp_path, state)
+    mf = path / checkpoint.MANIFEST
+    m = json.loads(mf.read_text())
+    m["statics"]["substates/grad_accumulate/micro"] = "1; import os"
+    mf.write_text(json.dumps(m))
+    template = step.init(
+        fasttorch.TrainState.create(torch.nn.Linear(3, 2), fasttorch.optim.sgd(0.1))
+    )
+    with pytest.raises(checkpoint.CheckpointMismatchError, match=r"static field .*micro.*\(str\)"):
+        checkpoint.load(path, template)
+
+
+@pytest.mark.parametrize(
+    ("entry", "match"),
+    [
+        ({"__tensor__": "uint8", "data": [1, 2]}, "needs 'shape'"),
+        ({"__tensor__": "uint8", "shape": [3], "data": [1, 2]}, "a list of 3 values"),
+        ({"__tensor__": "uint8", "shape": [-1], "data": []}, "integers >= 0"),
+        ({"__tensor__": "uint8", "shape": [1], "data": ["a"]}, "flat list of numbers"),
+    ],
+)
+def test_from_json_with_a_broken_tensor_entry_says_what_is_missing(entry, match):
+    from fasttorch.data import from_json
+
+    with pytest.raises(ValueError, match=match):
+        from_json({"gen": entry})
+
+
+HOLD = """
+import sys, time, pathlib, torch, fasttorch
+from fasttorch import checkpoint
+root, go = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+real = checkpoint._sha256
+def slow(path):  # stop in the middle of publishing, until the test says go
+    (root.parent / "started").touch()
+    while not go.exists():
+        time.sleep(0.05)
+    return real(path)
+checkpoint._sha256 = slow
+state = fasttorch.TrainState.create(torch.nn.Linear(3, 2), fasttorch.optim.sgd(0.1))
+print(checkpoint.save(root, state, name="theirs", keep_last=1).name)
+"""
+
+
+def test_a_second_process_saving_into_the_same_directory_is_refused(tmp_path):
+    root, go = tmp_path / "ck", tmp_path / "go"
+    script = tmp_path / "hold.py"
+    script.write_text(HOLD)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(root), str(go)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "started").exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the other process never started saving"
+            time.sleep(0.05)
+        with pytest.raises(CheckpointError, match="another process is saving into or pruning"):
+            checkpoint.save(root, make(), name="mine", keep_last=1)
+        with pytest.raises(CheckpointError, match="one writer per directory"):
+            checkpoint.prune(root, keep_last=1)
+        assert checkpoint.latest(root) is None  # reading is never refused
+    finally:
+        go.touch()
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert out.split() == ["theirs"]
+    assert sorted(p.name for p in root.iterdir()) == ["theirs"]  # and nothing of "mine"
+    checkpoint.verify(root / "theirs")
+    checkpoint.save(root, make(), name="mine", keep_last=2)  # free again once it is done
+
+
+# --------------------------------------------------------------------------- keep_best, export
+
+
+def test_keep_best_keeps_the_best_by_metric_beside_the_newest(tmp_path):
+    metrics = [5.0, 1.0, 4.0, 0.5, None, 3.0]
+    for i, metric in enumerate(metrics):
+        checkpoint.save(tmp_path / "min", at(i), metric=metric, keep_last=1, keep_best=2)
+        value = None if metric is None else torch.tensor(metric)  # a 0-d tensor is read once
+        checkpoint.save(tmp_path / "max", at(i), metric=value, keep_last=1, keep_best=2, mode="max")
+    names = lambda d: sorted(p.name for p in (tmp_path / d).iterdir())  # noqa: E731
+    assert names("min") == ["step_000000001", "step_000000003", "step_000000005"]
+    assert names("max") == ["step_000000000", "step_000000002", "step_000000005"]
+    assert checkpoint.verify(tmp_path / "min" / "step_000000003")["metric"] == 0.5
+    assert checkpoint.latest(tmp_path / "min").name == "step_000000005"
+    # prune on its own: the union of the newest and the best
+    assert [p.name for p in checkpoint.prune(tmp_path / "min", keep_last=1, keep_best=1)] == [
+        "step_000000001"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "err", "match"),
+    [
+        ({"metric": math.nan, "keep_last": 1}, ValueError, "metric must be a finite number"),
+        ({"metric": "low", "keep_last": 1}, ValueError, "metric must be a finite number"),
+        ({"metric": 1.0, "keep_best": 2}, ValueError, "keep_best=2 needs keep_last"),
+        ({"keep_last": 1, "keep_best": 0}, ValueError, "keep_best must be None or an integer"),
+        ({"keep_last": 1, "keep_best": 1, "mode": "lowest"}, ValueError, "mode must be 'min'"),
+    ],
+)
+def test_keep_best_arguments_are_checked_before_anything_is_written(tmp_path, kwargs, err, match):
+    with pytest.raises(err, match=match):
+        checkpoint.save(tmp_path / "ck", make(), **kwargs)
+    assert not (tmp_path / "ck").exists() or list((tmp_path / "ck").iterdir()) == []
+
+
+def test_a_safetensors_export_loads_without_fasttorch(tmp_path):
+    load_file = pytest.importorskip("safetensors.torch").load_file
+    model = Rotary().to(torch.bfloat16)
+    state = fasttorch.TrainState.create(model, fasttorch.optim.sgd(0.1))
+    path = checkpoint.save(tmp_path / "ck", state)
+    for source in (path, state):
+        out = checkpoint.export_safetensors(source, tmp_path / "model.safetensors")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "model.safetensors"]
+        plain = Rotary().to(torch.bfloat16)
+        plain.load_state_dict(load_file(out))  # strict; no fasttorch involved
+        for k, v in Rotary().to(torch.bfloat16).state_dict().items():
+            assert load_file(out)[k].dtype == v.dtype
+        assert torch.equal(plain.inp.weight, state.params["inp.weight"])
+        assert torch.equal(plain.count, state.buffers["count"])
+    with pytest.raises(CheckpointError, match="is a directory"):
+        checkpoint.export_safetensors(path, tmp_path)
+    with pytest.raises(CheckpointError, match="does not exist"):
+        checkpoint.export_safetensors(path, tmp_path / "no" / "model.safetensors")
