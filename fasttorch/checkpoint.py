@@ -22,8 +22,10 @@ Loading never runs code from the checkpoint directory: the user's ``data`` is JS
 DCP's pickled ``.metadata`` is read by an unpickler that admits only DCP's own
 metadata classes, tensors are read with ``torch.load(weights_only=True)``, and a
 pickled object anywhere else is refused. ``trust_pickled=True`` opts out, for a
-trusted checkpoint of format 1 (whose ``data`` was pickled). See
-docs/checkpointing.md for the trust model and the crash-safety rules.
+trusted checkpoint of format 1 (whose ``data`` was pickled). Nothing outside the
+directory the user names is ever deleted or written: symbolic links are never
+followed, and a checkpoint whose manifest is malformed is reported and left alone.
+See docs/checkpointing.md for the trust model and the crash-safety rules.
 """
 
 from __future__ import annotations
@@ -1326,13 +1328,22 @@ def save(
             and found by :func:`latest` (the old one as ``.old.<name>.<id>``, see
             there), and the old one is deleted only once the new one is in place.
         keep_last: if set, then :func:`prune` to this many afterwards (rank 0).
+        metric: a finite number (or one-element tensor, read here) to select
+            checkpoints by, stored in the manifest; ``None``: never counts as best.
+        keep_best: with ``keep_last``, also keep this many intact checkpoints with
+            the best ``metric`` (the union of both is kept; see :func:`prune`).
+        mode: ``"min"`` (lower metric is better, a loss) or ``"max"``.
 
     Returns:
         The path of the new checkpoint.
 
     Raises:
         TypeError: ``data`` is not JSON (nothing is written; names the bad value).
-        CheckpointError: the write failed, on any rank, or a peer died.
+        ValueError: an empty ``directory``, a bad ``name``, ``keep_*``, ``metric``
+            or ``mode`` (nothing is written).
+        CheckpointError: the write failed, on any rank, or a peer died (the save's
+            own partial directory is removed); a directory fsync failed; another
+            process is saving into or pruning ``directory``; ``name`` is a link.
 
     Example:
         >>> import tempfile, torch, fasttorch
