@@ -1736,6 +1736,12 @@ def load(
             entries = _tensor_entries(safe, wanted, p)
             if not fresh_rank:
                 data_shape = list(entries[data_key].size)
+                stored = sum(info["size"] for info in manifest["files"].values())
+                if math.prod(data_shape) > stored:  # a crafted .metadata: never allocated
+                    raise CheckpointError(
+                        f"checkpoint {str(p)!r}: its .metadata gives data= a size of "
+                        f"{data_shape}, more than its files hold ({stored} bytes)"
+                    )
             reader = safe
     except CheckpointError as e:
         problem = e

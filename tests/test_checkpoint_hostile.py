@@ -9,6 +9,7 @@ import errno
 import json
 import math
 import os
+import pickle
 import shutil
 import stat
 import subprocess
@@ -24,6 +25,7 @@ import fasttorch
 from fasttorch import checkpoint
 from fasttorch.checkpoint import CheckpointError
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
@@ -583,3 +585,19 @@ def test_a_safetensors_export_loads_without_fasttorch(tmp_path):
         checkpoint.export_safetensors(path, tmp_path)
     with pytest.raises(CheckpointError, match="does not exist"):
         checkpoint.export_safetensors(path, tmp_path / "no" / "model.safetensors")
+
+
+def test_a_crafted_metadata_size_is_refused_before_allocating(tmp_path):
+    from test_checkpoint import rehash
+
+    (path,) = saved(tmp_path / "ck", 1)
+    with open(path / ".metadata", "rb") as f:
+        md = checkpoint._MetadataUnpickler(f).load()
+    md.state_dict_metadata["rank0/data"].size = torch.Size([2**40])
+    with open(path / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    rehash(path)
+    with pytest.raises(
+        CheckpointError, match=r"\.metadata gives data= a size of \[1099511627776\]"
+    ):
+        checkpoint.load(path, make())
