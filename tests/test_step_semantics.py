@@ -396,10 +396,14 @@ def test_a_state_with_another_models_tensors_is_refused():
     """functional_call runs any tensors through the template: a wider Linear weight
     would silently train a different model."""
     torch.manual_seed(0)
-    narrow = fasttorch.TrainState.create(nn.Linear(8, 4), F.sgd(0.1))
-    wide = fasttorch.TrainState.create(nn.Linear(8, 16), F.sgd(0.1))
-    mixed = narrow.replace(params=wide.params)
-    with pytest.raises(ValueError, match=r"state.params\['weight'\] has shape \(16, 8\).*\(4, 8\)"):
+
+    def mlp(width):
+        return nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Linear(width, 4))
+
+    narrow = fasttorch.TrainState.create(mlp(16), F.sgd(0.1))
+    wide = fasttorch.TrainState.create(mlp(32), F.sgd(0.1))
+    mixed = narrow.replace(params=wide.params)  # runs, as the wider model, through narrow's
+    with pytest.raises(ValueError, match=r"params\['0.weight'\] has shape \(32, 8\).*\(16, 8\)"):
         fasttorch.step(mse, donate=False)(mixed, _windows(1, 1)[0][0])
     extra = narrow.replace(params={**narrow.params, "head.weight": torch.zeros(2, 2)})
     with pytest.raises(ValueError, match=r"\['head.weight'\] is not a parameter or buffer"):
