@@ -264,6 +264,12 @@ def step(loss_fn: LossFn, *, donate: bool = True) -> Step:
         TypeError: ``loss_fn`` is not callable, or cannot be called as
             ``loss_fn(apply, batch)`` (checked here when its signature can be read).
 
+    Calling the step raises ``ValueError`` when the loss reaches none of the state's
+    parameters or (eagerly) the model's own parameters instead of them: call the model
+    as ``apply(x)``, not ``model(x)``; and when the state's tensors do not fit its
+    module (names or shapes of another model). Parameters the loss does not reach are
+    not updated, as ``torch.optim`` skips a ``grad`` of ``None`` (docs/concepts.md).
+
     Example:
         >>> import torch, fasttorch
         >>> torch.manual_seed(0) and None
