@@ -15,7 +15,7 @@ import torch
 
 from fasttorch import struct
 from fasttorch.phases import Batch, LossFn, LossPhase, Metrics, Tensors
-from fasttorch.state import TrainState, check_alive, is_sharded, reshard
+from fasttorch.state import TrainState, check_alive, evaluating, is_sharded, reshard
 from fasttorch.steps import Step
 from fasttorch.steps import step as make_step
 from fasttorch.transforms.ema import KEY as EMA_KEY
@@ -100,17 +100,12 @@ def eval_step(step_or_loss_fn: Step | LossFn, *, use_ema: bool = False) -> EvalF
                 )
             params = state.substates[EMA_KEY].params
         module = state.module
-        was_training = module.training
-        module.eval()
-        try:
-            with torch.no_grad():
-                if use_ema and not torch.compiler.is_compiling() and is_sharded(module):
-                    with _averages_in_shards(state, params):
-                        out = loss(state, state.params, state.buffers, batch)
-                else:
-                    out = loss(state, params, state.buffers, batch)
-        finally:
-            module.train(was_training)
+        with evaluating(module), torch.no_grad():
+            if use_ema and not torch.compiler.is_compiling() and is_sharded(module):
+                with _averages_in_shards(state, params):
+                    out = loss(state, state.params, state.buffers, batch)
+            else:
+                out = loss(state, params, state.buffers, batch)
         metrics: Metrics = {"loss": out.value, "weight": out.weight}
         if out.aux is not None:
             metrics["aux"] = out.aux

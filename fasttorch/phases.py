@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from torch.func import functional_call
 
 from fasttorch import _compat, _scope, struct
-from fasttorch.optim._base import computed_once, in_cpu_graph
+from fasttorch.optim._base import computed_once, in_cpu_graph, update_used
 from fasttorch.state import TrainState, is_sharded, reshard
 
 __all__ = [
@@ -95,6 +95,11 @@ class GradOut(struct.Record):
         skip: a bool tensor: when true the update is not applied (non-finite grads).
         counted: the loss function gave ``weight`` (see :class:`Loss`), so a window's
             total weight may be 0.
+        unused: names of the parameters the loss did not reach, known when the graph
+            is built (``torch.autograd.grad(..., allow_unused=True)`` gives ``None``):
+            their entries in ``grads`` are zeros, and the update leaves them, and their
+            optimizer state, as they are, as ``torch.optim`` skips a ``grad`` of
+            ``None`` (docs/concepts.md, "Parameters a step does not use").
     """
 
     grads: Tensors
@@ -105,6 +110,7 @@ class GradOut(struct.Record):
     norm: torch.Tensor | None = None
     skip: torch.Tensor | None = None
     counted: bool = struct.field(static=True, default=False)
+    unused: frozenset[str] = struct.field(static=True, default=frozenset())
 
 
 LossFn: TypeAlias = Callable[[Callable[..., Any], Batch], Any]
@@ -206,7 +212,8 @@ def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> G
     ``mult`` carries the factors transforms put on the loss before backward: ``1/n``
     for accumulation, the loss scale for fp16. The gradients come from
     ``torch.autograd.grad`` on detached leaves (``compiled`` lets dynamo trace it), as
-    ``loss.backward()`` computes them; parameters the loss does not use get zeros.
+    ``loss.backward()`` computes them; parameters the loss does not reach get zeros
+    and are named in ``GradOut.unused``, so that the update leaves them alone.
     ``loss`` gets the very tensors that are differentiated as its ``params``, so a loss
     that registers hooks on them (``sync_on_last``'s reducer) sees each gradient as the
     backward produces it.
@@ -227,9 +234,13 @@ def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> G
     )
     with torch.enable_grad():
         out = loss(state, params, state.buffers, batch)
-        grads = torch.autograd.grad(
-            out.value * mult, list(params.values()), allow_unused=True, materialize_grads=True
-        )
+        found = torch.autograd.grad(out.value * mult, list(params.values()), allow_unused=True)
+    # None marks a parameter the loss's graph does not reach: a fact about the graph,
+    # known while it is traced, so the update skips it with no tensor read or branch.
+    unused = frozenset(k for k, gi in zip(params, found) if gi is None)
+    if direct is None and (unused or not compiling):
+        check_reached(out.value, state, unused, loss)
+    grads = [torch.zeros_like(p) if gi is None else gi for p, gi in zip(params.values(), found)]
     aux = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out.aux)
     return GradOut(
         grads=dict(zip(params, grads)),
@@ -237,6 +248,7 @@ def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> G
         weight=out.weight,
         aux=aux,
         counted=out.counted,
+        unused=unused,
     )
 
 
@@ -268,6 +280,81 @@ def _grad_functional(loss: LossPhase, state: TrainState, batch: Batch, mult: Any
     it = iter(tensors)
     aux = pytree.tree_unflatten([next(it) if t else x for x, t in zip(others, is_t)], spec)
     return GradOut(grads=dict(grads), value=v.detach(), weight=weight, aux=aux)
+
+
+NO_PARAMETER_REACHED = "the loss function reached none of the state's parameters"
+_USE_APPLY = (
+    "the step would train nothing. If it calls the model itself (model(x), "
+    "model.head(h)), call apply(x) instead: apply runs the model with the state's "
+    "parameters, which are not the model's own tensors under compiled or donate=False. "
+    "A loss that uses no parameter cannot be trained"
+)
+
+
+def unreached_error(error: BaseException) -> ValueError | None:
+    """The :func:`check_reached` error that a compiler's trace wrapped in its own, if any.
+
+    Raised while a graph is traced, the ``ValueError`` reaches the caller as the
+    compiler's "unsupported: observed exception" with the message inside its text.
+    """
+    if isinstance(error, ValueError) or NO_PARAMETER_REACHED not in str(error):
+        return None
+    return ValueError(f"{NO_PARAMETER_REACHED}: {_USE_APPLY}")
+
+
+# Per module: the (loss phase, unused parameters) pairs whose graph was found clean.
+_CHECKED: weakref.WeakKeyDictionary[Any, set[tuple[Any, frozenset[str]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def check_reached(
+    value: torch.Tensor, state: TrainState, unused: frozenset[str], loss: Any = None
+) -> None:
+    """Raise if the loss trained the module's own tensors instead of the state's.
+
+    ``apply`` runs the module with the state's parameters (``functional_call``); a loss
+    that calls the module itself (``model(x)``) reaches the module's own parameters,
+    which only a donated eager state shares: under ``compiled`` or ``donate=False``
+    nothing would train, silently. Two signs, both read from the graph, not from
+    values: no parameter of the state reached (checked in a graph too), or one of the
+    module's own parameters in the backward's graph (eager; once per module, loss
+    phase and set of unused parameters).
+    """
+    if len(unused) == len(state.params):
+        raise ValueError(f"{NO_PARAMETER_REACHED} ({len(state.params)}): {_USE_APPLY}")
+    if torch.compiler.is_compiling():
+        return
+    seen = _CHECKED.setdefault(state.module, set())
+    if (loss, unused) in seen:
+        return
+    own = {id(p): n for n, p in state.module.named_parameters() if n in state.params}
+    hit = _reached_leaf(value, own)
+    if hit is not None:
+        raise ValueError(
+            f"the loss function used the model's own parameter {hit!r} instead of the "
+            "state's: it calls the model (or a part of it) directly, as model(x) or "
+            "model.head(h). Those tensors are not trained under compiled or donate=False "
+            "(the state's parameters are). Call the forward through apply: apply(x) for "
+            "the whole model; for a part, return it from the model's forward"
+        )
+    seen.add((loss, unused))
+
+
+def _reached_leaf(value: torch.Tensor, leaves: dict[int, str]) -> str | None:
+    """The name of a leaf in ``leaves`` (by id) the backward of ``value`` reaches, if any."""
+    seen: set[Any] = set()
+    stack = [value.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if variable is not None and id(variable) in leaves:
+            return leaves[id(variable)]
+        stack.extend(fn for fn, _ in node.next_functions)
+    return None
 
 
 class IntoGrad:
@@ -461,8 +548,8 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
     # Eager and donating: update the state's tensors in place (fresh tensors cost more
     # than the arithmetic on CPU). Not when a skip must keep the old values around.
     inplace = g.skip is None and not torch.compiler.is_compiling() and _scope.current().in_place
-    params, opt_state = opt.update(
-        state.params, grads, state.opt_state, state.step, inplace=inplace
+    params, opt_state = update_used(
+        opt, state.params, grads, state.opt_state, state.step, unused=g.unused, inplace=inplace
     )
     buffers, substates = state.buffers, state.substates
     if g.skip is not None:

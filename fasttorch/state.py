@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -20,7 +22,17 @@ from fasttorch._rng import initial_rng_state
 if TYPE_CHECKING:
     from fasttorch.optim import Optimizer, OptState
 
-__all__ = ["DonatedStateError", "TrainState", "is_sharded", "local_tensor", "reshard"]
+__all__ = [
+    "DonatedStateError",
+    "TrainState",
+    "check_template",
+    "default_seed",
+    "evaluating",
+    "is_sharded",
+    "local_tensor",
+    "reshard",
+    "training_modes",
+]
 
 _DONATED = "_fasttorch_donated"
 _FAILED = "_fasttorch_failed"
@@ -66,12 +78,18 @@ class TrainState(struct.Record):
     optimizer: Optimizer = struct.field(static=True)
 
     @classmethod
-    def create(cls, module: nn.Module, optimizer: Optimizer, *, seed: int = 0) -> TrainState:
+    def create(
+        cls, module: nn.Module, optimizer: Optimizer, *, seed: int | None = None
+    ) -> TrainState:
         """Build the initial state of ``module`` trained by ``optimizer``.
 
         The state's parameters and buffers share storage with the module's own (no
         copy is made): a donating step updates them in place, so the module follows the
-        latest state. The module is put in training mode.
+        latest state. Each submodule keeps the mode the user gave it, as in the plain
+        loop: a BatchNorm frozen with ``bn.eval()`` stays frozen. Only a module whose
+        root is in evaluation mode is put in training mode as a whole
+        (``module.train()``). Steps train in the modes recorded here (docs/concepts.md,
+        "Training and evaluation modes").
 
         A module sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``) gives a
         *sharded* state: its parameters (and so the optimizer state built from them)
@@ -83,7 +101,9 @@ class TrainState(struct.Record):
             module: the model. Its floating-point parameters with ``requires_grad`` are
                 trained; frozen parameters and buffers are carried as buffers.
             optimizer: a functional optimizer from :mod:`fasttorch.optim`.
-            seed: seed of the state's own random generator (dropout).
+            seed: seed of the state's own random generator (dropout). By default
+                derived from ``torch.initial_seed()``, so ``torch.manual_seed(s)``
+                before ``create`` seeds it too (docs/concepts.md, "Seeding").
 
         Raises:
             TypeError: ``module`` is not an ``nn.Module``, ``optimizer`` is not a
@@ -137,13 +157,15 @@ class TrainState(struct.Record):
                 "Move the whole module to one device (module.to(device)) first"
             )
         device = next(iter(params.values())).device
-        module.train()
+        if not module.training:
+            module.train()
+        _MODES[module] = training_modes(module)
         return cls(
             params=params,
             buffers=buffers,
             opt_state=optimizer.init(params),
             step=torch.zeros((), dtype=torch.int64, device=device),
-            rng=initial_rng_state(device, seed),
+            rng=initial_rng_state(device, default_seed() if seed is None else seed),
             substates={},
             module=module,
             optimizer=optimizer,
@@ -160,17 +182,14 @@ class TrainState(struct.Record):
         No gradients are recorded and the state is left as it is: BatchNorm uses its
         running statistics instead of updating them, dropout is off.
         """
-        was_training = self.module.training
-        self.module.eval()
         try:
-            with torch.no_grad():
+            with evaluating(self.module), torch.no_grad():
                 if is_sharded(self.module):  # the module runs over this state's storage
                     return self.module(*args, **kwargs)
                 return torch.func.functional_call(
                     self.module, (self.params, self.buffers), args, kwargs
                 )
         finally:
-            self.module.train(was_training)
             reshard(self.module)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -216,6 +235,108 @@ class TrainState(struct.Record):
             f"buffers={len(self.buffers)}, step={self.step!r}, "
             f"substates={sorted(self.substates)}, device={self.device})"
         )
+
+
+def training_modes(module: nn.Module) -> tuple[bool, ...]:
+    """Each submodule's ``training`` flag, in ``module.modules()`` order."""
+    return tuple(m.training for m in module.modules())
+
+
+def set_modes(module: nn.Module, modes: tuple[bool, ...]) -> None:
+    """Give each submodule the flag ``training_modes`` read (``module.train()`` when the
+    module's structure changed since)."""
+    subs = list(module.modules())
+    if len(subs) != len(modes):
+        module.train()
+        return
+    for m, mode in zip(subs, modes):
+        m.training = mode
+
+
+def restore_training(module: nn.Module) -> None:
+    """Put a module left in evaluation mode back in the modes it was trained in.
+
+    An evaluation (``module.eval()``) switches every submodule off; what the user froze
+    (a BatchNorm in ``eval()``) was recorded by ``TrainState.create`` and stays frozen.
+    """
+    modes = _MODES.get(module)
+    if modes is None:
+        module.train()
+    else:
+        set_modes(module, modes)
+
+
+@contextlib.contextmanager
+def evaluating(module: nn.Module) -> Iterator[None]:
+    """Run the block with ``module`` in evaluation mode; each submodule's own mode after."""
+    modes = training_modes(module)
+    module.eval()
+    try:
+        yield
+    finally:
+        set_modes(module, modes)
+
+
+_MODES: weakref.WeakKeyDictionary[nn.Module, tuple[bool, ...]] = weakref.WeakKeyDictionary()
+
+
+def default_seed() -> int:
+    """The seed of a state's generator when none is given: from ``torch.initial_seed()``.
+
+    The seed of torch's global generator (that of the last ``torch.manual_seed``), so a
+    seed sweep gets different dropout masks, mixed (splitmix64) so that the state's
+    stream is not the very stream that initialized the model's weights.
+    """
+    z = (torch.initial_seed() + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def check_template(state: TrainState, api: str) -> None:
+    """Raise if ``state``'s tensors do not fit its template module (host metadata only).
+
+    ``functional_call`` puts any tensor in: a wider model's weights run through a
+    narrower template without an error (a linear layer takes any input width) and train
+    a different model. Each new parameter dict is checked once: the one a step returns
+    is marked checked (``mark_template_ok``), so a training loop pays a lookup a call.
+    """
+    module = state.module
+    if _TEMPLATE_OK.get(module) == id(state.params) or is_sharded(module):
+        return
+    own: dict[str, torch.Tensor] = dict(module.named_parameters())
+    own.update(module.named_buffers())
+    for group, tensors in (("params", state.params), ("buffers", state.buffers)):
+        for name, t in tensors.items():
+            ref = own.get(name)
+            if ref is None:
+                raise ValueError(
+                    f"{api}: state.{group}[{name!r}] is not a parameter or buffer of the "
+                    f"state's module ({type(module).__name__}), which has "
+                    f"{sorted(own)[:8]}{'...' if len(own) > 8 else ''}. A state trains "
+                    "through its own module: build it with TrainState.create(model, opt) "
+                    "for the model these tensors belong to"
+                )
+            if ref.shape != t.shape:
+                raise ValueError(
+                    f"{api}: state.{group}[{name!r}] has shape {tuple(t.shape)} but the "
+                    f"state's module ({type(module).__name__}) has {tuple(ref.shape)} "
+                    "there: the state mixes tensors of another model with this template, "
+                    "which would run the wrong model. Build the state with "
+                    "TrainState.create(model, opt) for the model the tensors belong to "
+                    "(or load a checkpoint into a state of that model)"
+                )
+    mark_template_ok(state)
+
+
+def mark_template_ok(state: TrainState) -> None:
+    """Note that ``state``'s parameters fit its module (a step's result keeps shapes)."""
+    _TEMPLATE_OK[state.module] = id(state.params)
+
+
+# Per module: id() of the last parameter dict found to fit it (an id, not the dict:
+# holding it would keep a copying step's old parameters alive).
+_TEMPLATE_OK: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import warnings
 from collections.abc import Callable
 from typing import Any, Protocol, TypeAlias
@@ -46,9 +47,19 @@ from fasttorch.phases import (
     grad_phase,
     loss_phase,
     scale_grads,
+    unreached_error,
     update_phase,
 )
-from fasttorch.state import TrainState, check_alive, is_sharded, mark_donated, mark_failed
+from fasttorch.state import (
+    TrainState,
+    check_alive,
+    check_template,
+    is_sharded,
+    mark_donated,
+    mark_failed,
+    mark_template_ok,
+    restore_training,
+)
 
 __all__ = [
     "CallHook",
@@ -253,6 +264,12 @@ def step(loss_fn: LossFn, *, donate: bool = True) -> Step:
         TypeError: ``loss_fn`` is not callable, or cannot be called as
             ``loss_fn(apply, batch)`` (checked here when its signature can be read).
 
+    Calling the step raises ``ValueError`` when the loss reaches none of the state's
+    parameters or (eagerly) the model's own parameters instead of them: call the model
+    as ``apply(x)``, not ``model(x)``; and when the state's tensors do not fit its
+    module (names or shapes of another model). Parameters the loss does not reach are
+    not updated, as ``torch.optim`` skips a ``grad`` of ``None`` (docs/concepts.md).
+
     Example:
         >>> import torch, fasttorch
         >>> torch.manual_seed(0) and None
@@ -398,8 +415,48 @@ def warn_once(message: str) -> None:
 # --------------------------------------------------------------------------- driver
 
 
+def _unshared(new: TrainState, olds: tuple[TrainState, ...]) -> TrainState:
+    """``new`` with copies of the tensors it shares with ``olds`` (copying semantics).
+
+    A phase may pass a tensor through unchanged (the hyperparameters, a sub-state no
+    transform updates): under ``donate=False`` writing into the new state's tensor must
+    not change the old state, nor the other way round.
+    """
+    old_ids = {id(t) for o in olds for t in pytree.tree_leaves(o) if isinstance(t, torch.Tensor)}
+    leaves, spec = pytree.tree_flatten(new)
+    if not any(id(t) in old_ids for t in leaves):
+        return new
+    fresh = [t.clone() if isinstance(t, torch.Tensor) and id(t) in old_ids else t for t in leaves]
+    out: TrainState = pytree.tree_unflatten(fresh, spec)
+    return out
+
+
 def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     check_alive(state, step.name)
+    with _device_lock(state.device):
+        return _run_locked(step, state, batch)
+
+
+_LOCKS: dict[torch.device, threading.RLock] = {}
+_LOCKS_LOCK = threading.Lock()
+
+
+def _device_lock(device: torch.device) -> threading.RLock:
+    """The lock that serializes the calls of steps on ``device`` across threads.
+
+    A call installs its state's generator in the device's global generator, reuses
+    its step's scratch buffers (``Step.memo``) and swaps the state's tensors into the
+    shared template module (``functional_call``): two threads interleaving those would
+    mix each other's tensors. Calls from one thread never wait (re-entrant).
+    """
+    lock = _LOCKS.get(device)
+    if lock is None:
+        with _LOCKS_LOCK:
+            lock = _LOCKS.setdefault(device, threading.RLock())
+    return lock
+
+
+def _run_locked(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     for hook in step.hooks:
         hook.before(step, state)
     if is_sharded(state.module) and not getattr(step.finish, "shards", False):
@@ -411,10 +468,11 @@ def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metri
         )
     device = state.device
     check_batch(batch, device, step.name, state.params)
+    check_template(state, step.name)
     given = state
     state = step.init(state)
-    if not state.module.training:
-        state.module.train()
+    if not state.module.training:  # left in evaluation mode: the modes it trains in
+        restore_training(state.module)
     if not step.donate:
         # BatchNorm updates running stats in place: work on copies to leave inputs intact.
         state = state.replace(buffers={k: b.clone() for k, b in state.buffers.items()})
@@ -441,12 +499,20 @@ def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metri
                 "unusable (DonatedStateError): continue from the last state a call returned "
                 "successfully, or build the step with donate=False to keep it intact"
             )
+        clear = unreached_error(e)
+        if clear is not None:  # raised while tracing a graph: the error as eager raises it
+            for note in getattr(e, "__notes__", ()):
+                clear.add_note(note)
+            raise clear from e
         raise
     new = new.replace(rng=rng)
     if step.donate:
         mark_donated(given, f"step {step.name!r}")
         if state is not given:
             mark_donated(state, f"step {step.name!r}")
+    else:
+        new = _unshared(new, (given, state))
+    mark_template_ok(new)
     for hook in step.hooks:
         hook.after(step, new)
     return new, metrics

@@ -21,7 +21,7 @@ from torch import Tensor
 from fasttorch import struct
 from fasttorch.schedules import Schedule
 
-__all__ = ["LearningRate", "OptState", "Optimizer", "set_hyperparams"]
+__all__ = ["LearningRate", "OptState", "Optimizer", "set_hyperparams", "update_used"]
 
 LearningRate = float | Schedule
 """A learning rate: a fixed float, or a schedule evaluated in-graph from the step."""
@@ -234,3 +234,45 @@ def in_cpu_graph(tensors: list[Tensor]) -> bool:
     """
     # len(), not bool(): dynamo in torch 2.10 and 2.11 cannot trace bool() of a list.
     return len(tensors) > 0 and tensors[0].device.type == "cpu" and torch.compiler.is_compiling()
+
+
+def update_used(
+    opt: Optimizer,
+    params: Mapping[str, Tensor],
+    grads: Mapping[str, Tensor],
+    opt_state: OptState,
+    step: Tensor,
+    *,
+    unused: frozenset[str],
+    inplace: bool = False,
+) -> tuple[dict[str, Tensor], OptState]:
+    """``opt.update`` on the parameters not in ``unused``; the others kept as they are.
+
+    ``torch.optim`` skips a parameter whose ``grad`` is ``None``: no weight decay, no
+    momentum step, no moment or per-parameter step count change. ``unused`` names the
+    parameters the loss's graph did not reach (static: known when the graph is built),
+    so this is a filter of the lists passed to the optimizer, not a tensor branch.
+    Their parameter and slot tensors come back unchanged: the same tensors in place,
+    copies otherwise (a new state never shares a tensor with the old one). The shared
+    update ``count`` still advances (see docs/concepts.md for what that means for Adam).
+    """
+    skipped = [n for n in params if n in unused]
+    if not skipped:
+        return opt.update(params, grads, opt_state, step, inplace=inplace)
+    used = [n for n in params if n not in unused]
+    sub = opt_state.replace(
+        slots={k: {n: v[n] for n in used if n in v} for k, v in opt_state.slots.items()}
+    )
+    new_p, new_s = opt.update(
+        {n: params[n] for n in used}, {n: grads[n] for n in used}, sub, step, inplace=inplace
+    )
+
+    def kept(t: Tensor) -> Tensor:
+        return t if inplace else t.clone()
+
+    out = {n: new_p[n] if n in new_p else kept(params[n]) for n in params}
+    slots = {
+        k: {n: new_s.slots[k][n] if n in new_s.slots.get(k, {}) else kept(t) for n, t in v.items()}
+        for k, v in opt_state.slots.items()
+    }
+    return out, new_s.replace(slots=slots)

@@ -51,6 +51,9 @@ class AccumState(struct.Record):
     weight: torch.Tensor
     value: torch.Tensor
     micro: int = struct.field(static=True, default=0)
+    # Parameters no microbatch so far reached (None: no microbatch yet); a parameter
+    # used by any microbatch of the window is updated, as torch.optim sees its .grad.
+    unused: frozenset[str] | None = struct.field(static=True, default=None)
 
     def zeroed(self) -> AccumState:
         """A fresh, empty window shaped as this one."""
@@ -151,9 +154,12 @@ def _within_call(
     acc = _scratch_window(step, state.params, state.device)
     micro_kernel = _micro_kernel(step)
     aux_sum: Any = None
+    unused: frozenset[str] | None = None
     for mb in micro[:-1]:
         acc, g = micro_kernel(state, acc, mb, n, True)
         aux_sum = add_weighted_aux(aux_sum, g.aux, g.weight)
+        unused = meet_unused(unused, g.unused)
+    acc = acc.replace(unused=unused)
     # The last microbatch adds to the window in place: note its weight first.
     before = acc.weight.clone() if aux_sum is not None else None
     new, metrics, _, w_last = finish(step, state, acc, micro[-1], n, False)
@@ -184,8 +190,9 @@ def _across_calls(
     # recompile per position. The position is set on the result here.
     plain = window.replace(micro=0)
     if window.micro + 1 < n:
-        acc, g = _micro_kernel(step)(inner, plain, batch, n, step.donate)
-        new = inner.replace(substates={**rest, KEY: acc.replace(micro=window.micro + 1)})
+        acc, g = _micro_kernel(step)(inner, plain.replace(unused=None), batch, n, step.donate)
+        acc = acc.replace(micro=window.micro + 1, unused=meet_unused(window.unused, g.unused))
+        new = inner.replace(substates={**rest, KEY: acc})
         metrics: Metrics = {"loss": g.value}
         if g.aux is not None:
             metrics["aux"] = g.aux
@@ -221,7 +228,13 @@ def finish_window(
     update graph holds no model code (half the compile time of a graph that repeats
     the forward and backward, at the cost of one more graph call per window).
     """
-    acc2, g = _micro_kernel(step)(state, acc, batch, n, not reset or step.donate)
+    # The kernel sees no ``unused`` (a static field that changes within a window would
+    # recompile it); the window's is put on its result here, outside any graph.
+    window_unused = acc.unused
+    acc2, g = _micro_kernel(step)(
+        state, acc.replace(unused=None), batch, n, not reset or step.donate
+    )
+    acc2 = acc2.replace(unused=meet_unused(window_unused, g.unused))
     close = step.kernel("close", lambda: functools.partial(_close, step))
     new, metrics, fresh = close(state, acc2, g, reset)
     return new, metrics, fresh, g.weight
@@ -235,6 +248,7 @@ def _close(
     # ours to overwrite only when donated (it is zeroed for the next window below).
     owned = not reset or step.donate
     total = acc.weight.clone()  # the window is zeroed below when it is the state's
+    g = g.replace(unused=acc.unused or frozenset())
     new, metrics = update_window(step, state, acc.grads, total, acc.value / total, total, g, owned)
     fresh = None
     if reset:
@@ -273,6 +287,7 @@ def update_window(
         aux=g.aux,
         scale=g.scale,
         counted=g.counted,
+        unused=g.unused,
     )
     return apply_update(step, state, skip_empty_window(window))
 
@@ -327,6 +342,11 @@ def _scratch_window(
     w.weight.zero_()
     w.value.zero_()
     return w
+
+
+def meet_unused(window: frozenset[str] | None, micro: frozenset[str]) -> frozenset[str]:
+    """The parameters unused by a window so far and by one more microbatch."""
+    return micro if window is None else window & micro
 
 
 def split(batch: Batch, n: int, api: str) -> list[Batch]:
@@ -399,11 +419,13 @@ def _window_in_module(
         assert into.first is not None
         if total is None:  # every weight is into.first
             total = _repeat_sum(into.first, n)
+        # A .grad still None after the window: no microbatch's backward reached it.
+        unused = frozenset(k for k, p in params.items() if p.grad is None)
         sums = {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in params.items()}
         if not into.same:  # with equal weights the divisor is exactly 1
             torch._foreach_div_(list(sums.values()), total / (into.first * n))
         value = value_sum / total
-        last = last.replace(value=value, weight=total)
+        last = last.replace(value=value, weight=total, unused=unused)
         del into, value_sum
     finally:
         for p, old in zip(plist, saved):
