@@ -261,8 +261,10 @@ def lr_schedule(lr: float, min_lr: float, warmup: int, steps: int) -> schedules.
 
 
 def no_decay(model: nn.Module) -> Callable[[str, Tensor], bool]:
-    """nanoGPT's recipe: weight decay on the matrices only, not on biases, LayerNorms or
-    embeddings. A predicate of ``(name, parameter)`` for ``fasttorch.optim.groups``."""
+    """Weight decay on the matrices other than the embeddings: none on biases and
+    LayerNorm weights (as nanoGPT, which decays every tensor of 2 or more dimensions,
+    embeddings included), nor on the embeddings (as minGPT). A predicate of ``(name,
+    parameter)`` for ``fasttorch.optim.groups``."""
     embeddings = {
         f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Embedding)
     }

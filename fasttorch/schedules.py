@@ -341,7 +341,9 @@ def warmup(warmup_steps: int, then: Schedule, *, init: float = 0.0) -> Warmup:
     ``lr(k) = init + (then(0) - init) * k / warmup_steps`` for ``k < warmup_steps``,
     else ``then(k - warmup_steps)``; matches ``SequentialLR(opt, [LinearLR(opt,
     start_factor, total_iters=warmup_steps), <then's scheduler>],
-    milestones=[warmup_steps])``.
+    milestones=[warmup_steps])``. With the default ``init=0`` the first update does not
+    move the parameters; nanoGPT's ramp ``peak * (k + 1) / (warmup_steps + 1)`` is
+    ``init=then(0) / (warmup_steps + 1)`` exactly.
 
     Args:
         warmup_steps: length of the warm-up, an int >= 1.

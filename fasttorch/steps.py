@@ -32,6 +32,7 @@ from fasttorch import _checks, _scope
 from fasttorch._checks import warn_once
 from fasttorch._rng import scoped_rng
 from fasttorch.donation import commit
+from fasttorch.optim._base import check_matches
 from fasttorch.phases import (
     Batch,
     GradOut,
@@ -438,6 +439,7 @@ def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metri
         )
     device = state.device
     check_batch(batch, device, step.name, state.params)
+    check_matches(state.optimizer, state.opt_state, state.params, f"step {step.name!r}")
     given = state
     state = step.init(state)
     if not state.module.training:

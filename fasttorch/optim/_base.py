@@ -294,3 +294,41 @@ def in_cpu_graph(tensors: list[Tensor]) -> bool:
     """
     # len(), not bool(): dynamo in torch 2.10 and 2.11 cannot trace bool() of a list.
     return len(tensors) > 0 and tensors[0].device.type == "cpu" and torch.compiler.is_compiling()
+
+
+# Layouts found to match, by (optimizer id, hyperparameter names, slot names); the
+# optimizer is kept in the value so that its id is not reused while cached.
+_MATCHED: dict[tuple[int, tuple[str, ...], tuple[str, ...]], Optimizer] = {}
+
+
+def check_matches(
+    optimizer: Optimizer, opt_state: OptState, params: Mapping[str, Tensor], api: str
+) -> None:
+    """Raise if ``opt_state`` does not have the layout ``optimizer.init`` gives.
+
+    A state whose optimizer was swapped (``state.replace(optimizer=optim.adamw(...))``
+    on an SGD state) otherwise fails inside the step with ``KeyError: 'beta1'``, after
+    the state was given to it. The expected layout comes from ``init`` on ``meta``
+    copies of the parameters (no memory), once per optimizer and layout; an
+    optimizer whose ``init`` cannot run on ``meta`` is not checked.
+    """
+    key = (id(optimizer), tuple(opt_state.hyper), tuple(opt_state.slots))
+    if _MATCHED.get(key) is optimizer:
+        return
+    try:
+        fresh = optimizer.init({k: torch.empty_like(p, device="meta") for k, p in params.items()})
+    except Exception:  # an optimizer that needs real tensors to init: not checked
+        return
+    if set(fresh.hyper) != set(opt_state.hyper) or set(fresh.slots) != set(opt_state.slots):
+        raise ValueError(
+            f"{api}: the state's optimizer state does not belong to its optimizer "
+            f"{type(optimizer).__name__}: it holds hyperparameters {sorted(opt_state.hyper)} "
+            f"and slots {sorted(opt_state.slots)}, where this optimizer keeps "
+            f"{sorted(fresh.hyper)} and {sorted(fresh.slots)} (was the optimizer swapped "
+            "with state.replace(optimizer=...)?). Start the new optimizer from a fresh "
+            "state: state.replace(optimizer=new, opt_state=new.init(state.params)), or "
+            "TrainState.create(model, new)"
+        )
+    if len(_MATCHED) > 256:
+        _MATCHED.clear()
+    _MATCHED[key] = optimizer
