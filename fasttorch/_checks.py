@@ -126,10 +126,12 @@ def flag(api: str, name: str, value: object) -> bool:
         >>> flag("fasttorch.step", "donate", "no")
         Traceback (most recent call last):
         ...
-        fasttorch._checks.ArgumentTypeError: fasttorch.step: donate must be True or False, got...
+        fasttorch._checks.ArgumentTypeError: fasttorch.step: donate must be a bool...
     """
     if not isinstance(value, bool):
-        raise ArgumentTypeError(f"{api}: {name} must be True or False, got {_given(value)}.")
+        raise ArgumentTypeError(
+            f"{api}: {name} must be a bool (True or False), got {_given(value)}."
+        )
     return value
 
 

@@ -141,26 +141,46 @@ def cpu_isa_probe() -> Callable[[], Any] | None:
     return probe if callable(probe) else None
 
 
-try:  # the base class inductor requires of a custom graph pass, for its cache key
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-except ImportError:  # pragma: no cover - every supported release has it
+class CustomGraphPass:
+    """The base of fasttorch's inductor graph passes: an inductor ``CustomGraphPass``.
 
-    class CustomGraphPass:  # type: ignore[no-redef]
-        """Stand-in where inductor has no custom graph passes: never used as one."""
+    Why not inductor's class itself: importing it loads inductor (seconds), and every
+    ``import fasttorch`` would pay for it. Inductor only asks ``isinstance(p,
+    CustomGraphPass)`` and calls ``uuid()`` (``torch/_inductor/codecache.py``, for its
+    cache key), and its class is an ABC on every supported release
+    (``torch/_inductor/custom_graph_pass.py``): each subclass here is registered as a
+    virtual subclass of it when its first instance is made, which is before inductor
+    sees one.
+    """
 
-        def uuid(self) -> Any:
-            return None
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        _register_graph_pass(cls)
+        return super().__new__(cls)
 
-    def get_hash_for_files(paths: tuple[str, ...], extra: str = "") -> bytes:  # type: ignore[misc]
-        return repr((paths, extra)).encode()
+    def uuid(self) -> Any:
+        """The pass's cache key; ``None``: never cache the graphs it ran on."""
+        return None
+
+
+@functools.cache
+def _register_graph_pass(cls: type) -> None:
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass as Inductors
+    except ImportError:  # pragma: no cover - every supported release has it
+        return
+    Inductors.register(cls)
 
 
 def graph_pass_hash(paths: tuple[str, ...], extra: str) -> Any:
     """A cache key for a graph pass defined in ``paths`` with settings ``extra``."""
+    try:
+        from torch._inductor.custom_graph_pass import get_hash_for_files
+    except ImportError:  # pragma: no cover - every supported release has it
+        return repr((paths, extra)).encode()
     return get_hash_for_files(paths, extra)
 
 
-class CombinedGraphPass(CustomGraphPass):  # type: ignore[misc]
+class CombinedGraphPass(CustomGraphPass):
     """Several graph passes as one, run in order.
 
     Why: inductor releases up to 2.12 call ``post_grad_custom_pre_pass`` directly, so a

@@ -45,7 +45,7 @@ def test_real_count_and_flag():
         _checks.count("api", "n", -1, low=0)
     assert _checks.flag("api", "on", False) is False
     for bad in ("no", 1, None):
-        with pytest.raises(TypeError, match="api: on must be True or False"):
+        with pytest.raises(TypeError, match="api: on must be a bool"):
             _checks.flag("api", "on", bad)
     # A wrong type is also a ValueError: callers that caught ValueError keep working.
     assert issubclass(_checks.ArgumentTypeError, ValueError)
@@ -86,7 +86,7 @@ BAD_ARGUMENTS: list[tuple[str, Callable[[], object], type[Exception], str]] = [
         "nesterov",
         lambda: optim.sgd(0.1, momentum=0.9, nesterov="yes"),
         TypeError,
-        "nesterov must be True or False",
+        "nesterov must be a bool",
     ),
     (
         "clip_scaled",
@@ -141,7 +141,7 @@ BAD_ARGUMENTS: list[tuple[str, Callable[[], object], type[Exception], str]] = [
         "compiled(fullgraph)",
         lambda: fasttorch.compiled(fasttorch.step(mse), fullgraph="no"),
         TypeError,
-        "fullgraph must be True or False",
+        "fullgraph must be a bool",
     ),
     (
         "with_phases typo",

@@ -307,6 +307,14 @@ def test_every_transformed_step_has_a_short_readable_repr(name):
         assert "substates=['amp'" in text
 
 
+def test_a_profiled_step_has_a_readable_repr(tmp_path):
+    prof = fasttorch.profiled(fasttorch.step(mse), dir=tmp_path)
+    assert (
+        repr(prof)
+        == "Profiled(Step('mse', transforms=[], substates=[], donate=True), calls=0, stopped=False)"
+    )
+
+
 def test_transform_configs_and_states_have_working_reprs():
     from fasttorch.distributed.reducer import SyncConfig
     from fasttorch.transforms.compiled import Compiler

@@ -39,6 +39,9 @@ class Profiled:
         self._stopped = False
         setattr(self, PROFILED_MARK, True)
 
+    def __repr__(self) -> str:
+        return f"Profiled({self.step!r}, calls={self.calls}, stopped={self._stopped})"
+
     def __call__(self, state: Any, batch: Any) -> Any:
         if self._stopped:
             return self.step(state, batch)
