@@ -162,13 +162,18 @@ class CustomGraphPass:
         return None
 
 
-@functools.cache
+_REGISTERED: set[type] = set()
+
+
 def _register_graph_pass(cls: type) -> None:
+    if cls in _REGISTERED:
+        return
     try:
         from torch._inductor.custom_graph_pass import CustomGraphPass as Inductors
     except ImportError:  # pragma: no cover - every supported release has it
         return
     Inductors.register(cls)
+    _REGISTERED.add(cls)
 
 
 def graph_pass_hash(paths: tuple[str, ...], extra: str) -> Any:
