@@ -80,6 +80,16 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     return [round(i * step, 10) for i in range(first, last + 1)]
 
 
+CHAR_WIDTH = 7.5
+"""An upper bound of a 12 px sans-serif character's advance, in px (``W`` is ~11, most
+letters 6-7): legend labels are mostly lower case, digits and spaces."""
+
+
+def legend_width(labels: list[str]) -> float:
+    """The legend's width: a 24 px line, a 6 px gap, the longest label."""
+    return 30 + CHAR_WIDTH * max((len(label) for label in labels), default=0)
+
+
 def loss_svg(
     curves: dict[str, list[list[float]]],
     total_steps: int,
@@ -141,10 +151,12 @@ def loss_svg(
         if i > 0:
             out += [f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>' for x, y in xy]
         ly = top + 16 + 18 * i
+        # The legend's right edge 8 px inside the plot, whatever the longest label.
+        lx = left + pw - 8 - legend_width(list(curves))
         out.append(
-            f'<line x1="{left + pw - 150}" y1="{ly}" x2="{left + pw - 126}" y2="{ly}" '
+            f'<line x1="{lx}" y1="{ly}" x2="{lx + 24}" y2="{ly}" '
             f'stroke="{color}" stroke-width="2"/>'
         )
-        out.append(f'<text x="{left + pw - 120}" y="{ly + 4}">{escape(label)}</text>')
+        out.append(f'<text x="{lx + 30}" y="{ly + 4}">{escape(label)}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"

@@ -35,12 +35,18 @@ about two minutes on two CPU cores, torch.compile included.
 from __future__ import annotations
 
 import os
+import warnings
 
 # On a shared CPU box, OpenMP threads that spin-wait between the many small kernels of a
 # compiled step make it 10-40x slower as soon as another process takes a core; sleeping
 # waiters cost little when the machine is idle. Read once, when torch loads OpenMP, so
 # it must come before `import torch`; set OMP_WAIT_POLICY yourself to override.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch (2.10 at least) warns "Failed to initialize NumPy" while `import torch` runs
+# where numpy is not installed (torch/_subclasses/functional_tensor.py converts a tensor
+# as it loads), as the first line of this job's output. Nothing here uses numpy. Read
+# before `import torch`.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 import argparse
 import gc
@@ -261,8 +267,10 @@ def lr_schedule(lr: float, min_lr: float, warmup: int, steps: int) -> schedules.
 
 
 def no_decay(model: nn.Module) -> Callable[[str, Tensor], bool]:
-    """nanoGPT's recipe: weight decay on the matrices only, not on biases, LayerNorms or
-    embeddings. A predicate of ``(name, parameter)`` for ``fasttorch.optim.groups``."""
+    """Weight decay on the matrices other than the embeddings: none on biases and
+    LayerNorm weights (as nanoGPT, which decays every tensor of 2 or more dimensions,
+    embeddings included), nor on the embeddings (as minGPT). A predicate of ``(name,
+    parameter)`` for ``fasttorch.optim.groups``."""
     embeddings = {
         f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Embedding)
     }

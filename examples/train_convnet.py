@@ -26,9 +26,15 @@ losses, held-out accuracy) in ``--out``. Run ``python examples/train_convnet.py 
 from __future__ import annotations
 
 import os
+import warnings
 
 # See train_charlm.py: sleeping OpenMP waiters keep a compiled step fast on a shared CPU.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch (2.10 at least) warns "Failed to initialize NumPy" while `import torch` runs
+# where numpy is not installed (torch/_subclasses/functional_tensor.py converts a tensor
+# as it loads), as the first line of this job's output. Nothing here uses numpy. Read
+# before `import torch`.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 import argparse
 import json

@@ -1,7 +1,9 @@
 """fasttorch: pure, composable, compiled training steps for PyTorch."""
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from fasttorch import (
-    checkpoint,
     data,
     evaluation,
     loop,
@@ -43,3 +45,14 @@ __all__ = [
 __all__ += transforms.__all__
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from fasttorch import checkpoint
+
+
+def __getattr__(name: str) -> Any:
+    # fasttorch.checkpoint loads torch.distributed.checkpoint (about a second): imported
+    # on first use (fasttorch.checkpoint.save), not by `import fasttorch`.
+    if name == "checkpoint":
+        return importlib.import_module("fasttorch.checkpoint")
+    raise AttributeError(f"module 'fasttorch' has no attribute {name!r}")

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import importlib
 import pickle
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,8 @@ __all__ = [
     "DcpMetadataUnpickler",
     "assert_async",
     "autograd_profiler_enabled",
+    "compile_backends",
+    "compile_modes",
     "cpp_compile_error",
     "cpu_has_amx_fp16",
     "cpu_has_bf16_units",
@@ -138,26 +141,51 @@ def cpu_isa_probe() -> Callable[[], Any] | None:
     return probe if callable(probe) else None
 
 
-try:  # the base class inductor requires of a custom graph pass, for its cache key
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-except ImportError:  # pragma: no cover - every supported release has it
+class CustomGraphPass:
+    """The base of fasttorch's inductor graph passes: an inductor ``CustomGraphPass``.
 
-    class CustomGraphPass:  # type: ignore[no-redef]
-        """Stand-in where inductor has no custom graph passes: never used as one."""
+    Why not inductor's class itself: importing it loads inductor (seconds), and every
+    ``import fasttorch`` would pay for it. Inductor only asks ``isinstance(p,
+    CustomGraphPass)`` and calls ``uuid()`` (``torch/_inductor/codecache.py``, for its
+    cache key), and its class is an ABC on every supported release
+    (``torch/_inductor/custom_graph_pass.py``): each subclass here is registered as a
+    virtual subclass of it when its first instance is made, which is before inductor
+    sees one.
+    """
 
-        def uuid(self) -> Any:
-            return None
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        _register_graph_pass(cls)
+        return super().__new__(cls)
 
-    def get_hash_for_files(paths: tuple[str, ...], extra: str = "") -> bytes:  # type: ignore[misc]
-        return repr((paths, extra)).encode()
+    def uuid(self) -> Any:
+        """The pass's cache key; ``None``: never cache the graphs it ran on."""
+        return None
+
+
+_REGISTERED: set[type] = set()
+
+
+def _register_graph_pass(cls: type) -> None:
+    if cls in _REGISTERED:
+        return
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass as Inductors
+    except ImportError:  # pragma: no cover - every supported release has it
+        return
+    Inductors.register(cls)
+    _REGISTERED.add(cls)
 
 
 def graph_pass_hash(paths: tuple[str, ...], extra: str) -> Any:
     """A cache key for a graph pass defined in ``paths`` with settings ``extra``."""
+    try:
+        from torch._inductor.custom_graph_pass import get_hash_for_files
+    except ImportError:  # pragma: no cover - every supported release has it
+        return repr((paths, extra)).encode()
     return get_hash_for_files(paths, extra)
 
 
-class CombinedGraphPass(CustomGraphPass):  # type: ignore[misc]
+class CombinedGraphPass(CustomGraphPass):
     """Several graph passes as one, run in order.
 
     Why: inductor releases up to 2.12 call ``post_grad_custom_pre_pass`` directly, so a
@@ -332,3 +360,46 @@ def fsdp_keeps_params_after_forward(module: Any) -> bool | None:
     if not groups or not all(hasattr(g, "post_forward_mesh_info") for g in groups):
         return None
     return all(g.post_forward_mesh_info is None for g in groups)
+
+
+# --------------------------------------------------------------------------- argument checks
+# (what ``compiled`` checks its arguments against at wrap time, and attrs' repr)
+
+
+def compile_modes() -> tuple[str, ...]:
+    """The ``mode`` names ``torch.compile`` accepts on this torch release.
+
+    Why: a typo in ``compiled(mode=...)`` is otherwise found by inductor at the step's
+    first call, after the state was donated. ``torch._inductor.list_mode_options()``
+    (``torch/_inductor/__init__.py``) is the table ``torch.compile`` reads the mode
+    from; ``"default"`` is in it. Imported here, on first use, so that importing
+    fasttorch does not load inductor.
+    """
+    from torch._inductor import list_mode_options
+
+    return tuple(list_mode_options())
+
+
+def compile_backends() -> tuple[str, ...]:
+    """The backend names ``torch.compile`` knows now (registered ones included).
+
+    Why: as :func:`compile_modes`, for ``backend=``; ``torch._dynamo.list_backends``
+    (``torch/_dynamo/backends/registry.py``), with no tag excluded so that the debug
+    backends (``"aot_eager"``) count as valid.
+    """
+    import torch._dynamo
+
+    return tuple(torch._dynamo.list_backends(exclude_tags=()))
+
+
+repr_context = threading.local()
+"""Read by the ``__repr__`` that attrs generates for a class of a module importing this one.
+
+Why (attrs, not torch): attrs compiles a class's generated methods in one namespace
+that it fills with the class's module's globals (``attr/_make.py``, ``_make_init_script``
+and ``_ClassBuilder``'s merged snippets); its ``__repr__`` then looks up
+``_compat.repr_context`` (attrs' own module, for recursive reprs), but in a module with
+``from fasttorch import _compat`` it finds this module instead, and ``repr()`` of an
+fp16 ``with_amp`` step or a ``compiled`` step raised ``AttributeError``. The same
+thread-local here keeps those reprs working whatever order attrs merges in.
+"""

@@ -20,6 +20,14 @@ __all__ = ["initial_rng_state", "scoped_rng"]
 
 def initial_rng_state(device: torch.device, seed: int) -> torch.Tensor:
     """The generator state of ``device``'s generator seeded with ``seed``."""
+    # torch.Generator.manual_seed takes 64 bits; beyond that it says "Overflow when unpacking".
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"TrainState.create: seed must be an int, got {seed!r}")
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(
+            f"TrainState.create: seed={seed} does not fit in 64 bits; valid seeds are "
+            "-2**63 <= seed < 2**64 (as torch.manual_seed). Reduce it, e.g. seed % 2**64"
+        )
     return torch.Generator(device=device).manual_seed(seed).get_state()
 
 

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fasttorch import _checks
+
 __all__ = ["Prefetcher", "from_json", "loader_defaults", "prefetch", "to_json"]
 
 
@@ -60,8 +62,7 @@ def prefetch(loader: Iterable[Any], device: torch.device | str, *, depth: int = 
         >>> [x.device.type for x, y in prefetch(batches, "cpu")]
         ['cpu', 'cpu', 'cpu']
     """
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-        raise ValueError(f"prefetch: depth must be an integer >= 1, got {depth!r}")
+    _checks.count("prefetch", "depth", depth)
     if not isinstance(loader, Iterable):
         raise TypeError(f"prefetch: loader must be iterable, got {type(loader).__name__}")
     dev = torch.device(device)
@@ -315,10 +316,7 @@ def loader_defaults(device: torch.device | str, *, max_workers: int = 8) -> dict
         >>> d
         {'num_workers': 0, 'pin_memory': False, 'persistent_workers': False}
     """
-    if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 0:
-        raise ValueError(
-            f"loader_defaults: max_workers must be an integer >= 0, got {max_workers!r}"
-        )
+    _checks.count("loader_defaults", "max_workers", max_workers, low=0)
     dev = torch.device(device)
     try:
         cpus = len(os.sched_getaffinity(0))

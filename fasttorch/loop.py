@@ -28,6 +28,8 @@ from typing import Any, Literal, TextIO
 
 import torch
 
+from fasttorch import _checks
+
 __all__ = [
     "CSVWriter",
     "EarlyStopping",
@@ -72,10 +74,11 @@ def until(
     """
     if max_steps is None and max_seconds is None:
         raise ValueError("until: give max_steps, max_seconds or both; both None never stops")
-    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int)):
-        raise TypeError(f"until: max_steps must be an int or None, got {max_steps!r}")
-    if max_seconds is not None and not max_seconds > 0:
-        raise ValueError(f"until: max_seconds must be > 0, got {max_seconds!r}")
+    if max_steps is not None:
+        _checks.count("until", "max_steps", max_steps, low=0, hint="Or pass None: no limit.")
+    if max_seconds is not None:
+        _checks.real("until", "max_seconds", max_seconds, low=0.0, low_open=True, finite=False)
+    _checks.count("until", "start", start, low=0, hint="Resume with start=int(state.step).")
     return _until(max_steps, max_seconds, start, clock)
 
 
@@ -103,8 +106,7 @@ def every(k: int, *, first: bool = False) -> Callable[[int], bool]:
         >>> [i for i in range(10) if every(4)(i)], [i for i in range(6) if every(3, first=True)(i)]
         ([3, 7], [0, 2, 5])
     """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"every: k must be an integer >= 1, got {k!r}")
+    _checks.count("every", "k", k)
 
     def due(i: int) -> bool:
         return (i + 1) % k == 0 or (first and i == 0)
@@ -137,10 +139,8 @@ class EarlyStopping:
     def __init__(
         self, patience: int, *, min_delta: float = 0.0, mode: Literal["min", "max"] = "min"
     ) -> None:
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"EarlyStopping: patience must be an integer >= 1, got {patience!r}")
-        if not min_delta >= 0:
-            raise ValueError(f"EarlyStopping: min_delta must be >= 0, got {min_delta!r}")
+        _checks.count("EarlyStopping", "patience", patience)
+        _checks.real("EarlyStopping", "min_delta", min_delta, low=0.0)
         if mode not in ("min", "max"):
             raise ValueError(f"EarlyStopping: mode must be 'min' or 'max', got {mode!r}")
         self.patience = patience
@@ -183,20 +183,25 @@ class Logger:
     Nested dicts become ``outer/inner`` names; tensors with more than one element and
     non-numbers are left out.
 
+    The sinks get the number of steps done, ``i + 1`` for the 0-based index ``i``
+    the loop passes (``log(i, metrics)`` after the ``i``-th call): the state's step
+    count after that update (``int(state.step)`` when ``i`` counts from it), and the
+    number :class:`Progress` shows, so every record of one step says the same number.
+
     Args:
         k: log every ``k`` steps (``every(k)``).
-        sink: called as ``sink(step_index, {name: float})``; a sequence of them is
+        sink: called as ``sink(steps_done, {name: float})``; a sequence of them is
             called in order (e.g. ``[TensorBoardWriter(dir), CSVWriter(path)]``);
             default prints a line.
 
     Example:
         >>> import torch
         >>> from fasttorch.loop import Logger
-        >>> log = Logger(2, sink=lambda i, m: print(i, m))
+        >>> log = Logger(2, sink=lambda done, m: print(done, m))
         >>> for i in range(4):
         ...     _ = log(i, {"loss": torch.tensor(float(i)), "aux": {"acc": torch.tensor(0.5)}})
-        1 {'loss': 1.0, 'aux/acc': 0.5, 'loss_avg': 0.5}
-        3 {'loss': 3.0, 'aux/acc': 0.5, 'loss_avg': 2.5}
+        2 {'loss': 1.0, 'aux/acc': 0.5, 'loss_avg': 0.5}
+        4 {'loss': 3.0, 'aux/acc': 0.5, 'loss_avg': 2.5}
     """
 
     def __init__(self, k: int, *, sink: Sink | Sequence[Sink] | None = None):
@@ -214,7 +219,10 @@ class Logger:
         self._n = 0
 
     def __call__(self, i: int, metrics: Mapping[str, Any]) -> dict[str, float] | None:
-        """Record step ``i``'s metrics; on a logging step read, send and return them."""
+        """Record step ``i``'s (0-based) metrics; on a logging step read, send and return them.
+
+        The sinks are called with ``i + 1``, the number of steps done.
+        """
         loss = metrics.get("loss")
         if isinstance(loss, torch.Tensor):
             loss = loss.detach()
@@ -227,7 +235,7 @@ class Logger:
             out["loss_avg"] = float(self._sum) / self._n
         self._sum, self._n = None, 0
         for sink in self.sinks:
-            sink(i, out)
+            sink(i + 1, out)  # steps done: state.step after the update, as Progress shows
         return out
 
 
@@ -312,8 +320,8 @@ class CSVWriter:
         ...         _ = log(i, {"loss": torch.tensor(float(i))})
         >>> print(open(path).read().strip())
         step,loss,loss_avg
-        1,1.0,0.5
-        3,3.0,2.5
+        2,1.0,0.5
+        4,3.0,2.5
     """
 
     def __init__(self, path: str | os.PathLike[str], *, columns: Sequence[str] | None = None):

@@ -26,7 +26,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.func import functional_call
 
-from fasttorch import _compat, _scope, struct
+from fasttorch import _checks, _compat, _scope, struct
 from fasttorch.optim._base import computed_once, in_cpu_graph, update_used
 from fasttorch.state import TrainState, is_sharded, reshard
 
@@ -180,7 +180,15 @@ def as_loss(out: Any, batch: Batch, name: str) -> Loss:
         )
     weight = loss.weight if loss.weight is not None else batch_size(batch)
     if not isinstance(weight, torch.Tensor):
-        weight = constant(float(weight), device=v.device)
+        # A Python number is checked here (a tensor's value cannot be without a sync).
+        w = _checks.real(
+            f"loss function {name!r}",
+            "Loss.weight",
+            weight,
+            low=0.0,
+            hint="It is the number of samples or tokens the mean loss is over.",
+        )
+        weight = constant(w, device=v.device)
     return Loss(v, weight.to(torch.float32), loss.aux, counted=loss.weight is not None)
 
 

@@ -19,6 +19,8 @@ import attrs
 import torch
 from torch import Tensor
 
+from fasttorch import _checks
+
 __all__ = [
     "Constant",
     "Cosine",
@@ -48,14 +50,7 @@ def _number(name: str, *, low: float | None = None, strict: bool = False) -> _Va
     """An attrs validator: a finite real number, optionally ``> low`` / ``>= low``."""
 
     def check(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
-        owner = type(inst).__name__
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{owner}: {name} must be a float, got {value!r}.")
-        if not math.isfinite(value):
-            raise ValueError(f"{owner}: {name} must be finite, got {value!r}.")
-        if low is not None and (value <= low if strict else value < low):
-            rule = f"{name} {'>' if strict else '>='} {low}"
-            raise ValueError(f"{owner}: invalid {name}={value!r}; need {rule}. Pass such a value.")
+        _checks.real(type(inst).__name__, name, value, low=low, low_open=strict)
 
     return check
 
@@ -64,11 +59,7 @@ def _count(name: str) -> _Validator:
     """An attrs validator: a positive int (a number of steps)."""
 
     def check(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"{type(inst).__name__}: {name} must be a positive int (a number of "
-                f"steps), got {value!r}. Pass an int >= 1."
-            )
+        _checks.count(type(inst).__name__, name, value, hint="A number of steps: a positive int.")
 
     return check
 
@@ -86,7 +77,7 @@ class Constant:
         tensor(0.5000, dtype=torch.float64)
     """
 
-    value: float = attrs.field(validator=_number("value"))
+    value: float = attrs.field(validator=_number("value", low=0.0))
 
     def __call__(self, step: Tensor) -> Tensor:
         return torch.full((), self.value, dtype=_F64, device=step.device)
@@ -101,9 +92,9 @@ class LinearWarmup:
         tensor(0.2500, dtype=torch.float64)
     """
 
-    peak: float = attrs.field(validator=_number("peak"))
+    peak: float = attrs.field(validator=_number("peak", low=0.0))
     warmup_steps: int = attrs.field(validator=_count("warmup_steps"))
-    init: float = attrs.field(default=0.0, validator=_number("init"))
+    init: float = attrs.field(default=0.0, validator=_number("init", low=0.0))
 
     def __call__(self, step: Tensor) -> Tensor:
         frac = _steps(step).clamp(0.0, self.warmup_steps) / self.warmup_steps
@@ -119,9 +110,9 @@ class Cosine:
         tensor(0.5000, dtype=torch.float64)
     """
 
-    peak: float = attrs.field(validator=_number("peak"))
+    peak: float = attrs.field(validator=_number("peak", low=0.0))
     decay_steps: int = attrs.field(validator=_count("decay_steps"))
-    end: float = attrs.field(default=0.0, validator=_number("end"))
+    end: float = attrs.field(default=0.0, validator=_number("end", low=0.0))
 
     def __call__(self, step: Tensor) -> Tensor:
         s = _steps(step).clamp(0.0, self.decay_steps)
@@ -185,7 +176,7 @@ class StepDecay:
         tensor(0.2500, dtype=torch.float64)
     """
 
-    init: float = attrs.field(validator=_number("init"))
+    init: float = attrs.field(validator=_number("init", low=0.0))
     step_size: int = attrs.field(validator=_count("step_size"))
     gamma: float = attrs.field(default=0.1, validator=_number("gamma", low=0.0))
 
@@ -205,7 +196,7 @@ class Warmup:
 
     warmup_steps: int = attrs.field(validator=_count("warmup_steps"))
     then: Schedule = attrs.field(validator=attrs.validators.is_callable())
-    init: float = attrs.field(default=0.0, validator=_number("init"))
+    init: float = attrs.field(default=0.0, validator=_number("init", low=0.0))
 
     def __call__(self, step: Tensor) -> Tensor:
         start = self.then(torch.zeros_like(step)).to(_F64)
@@ -350,7 +341,9 @@ def warmup(warmup_steps: int, then: Schedule, *, init: float = 0.0) -> Warmup:
     ``lr(k) = init + (then(0) - init) * k / warmup_steps`` for ``k < warmup_steps``,
     else ``then(k - warmup_steps)``; matches ``SequentialLR(opt, [LinearLR(opt,
     start_factor, total_iters=warmup_steps), <then's scheduler>],
-    milestones=[warmup_steps])``.
+    milestones=[warmup_steps])``. With the default ``init=0`` the first update does not
+    move the parameters; nanoGPT's ramp ``peak * (k + 1) / (warmup_steps + 1)`` is
+    ``init=then(0) / (warmup_steps + 1)`` exactly.
 
     Args:
         warmup_steps: length of the warm-up, an int >= 1.

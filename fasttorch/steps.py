@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import inspect
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any, Protocol, TypeAlias
 
@@ -30,9 +29,11 @@ import attrs
 import torch
 import torch.utils._pytree as pytree
 
-from fasttorch import _scope
+from fasttorch import _checks, _scope
+from fasttorch._checks import warn_once
 from fasttorch._rng import scoped_rng
 from fasttorch.donation import commit
+from fasttorch.optim._base import check_matches
 from fasttorch.phases import (
     Batch,
     GradOut,
@@ -152,7 +153,15 @@ def _full(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metr
 
 def apply_update(step: Step, state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
     """The update phase, its result committed into ``state``'s tensors under donation."""
-    new, metrics = step.update(state, g)
+    out = step.update(state, g)
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], TrainState)):
+        raise TypeError(
+            f"step {step.name!r}: its update phase returned {_returned(out)}; an update "
+            "phase returns (new_state, metrics), a TrainState and a dict of tensors (the "
+            "metrics of the phase it wraps, or {}). Return both, e.g. "
+            "new, metrics = inner(state, g); return new.replace(...), metrics"
+        )
+    new, metrics = out
     return commit(step.donate, state, new), metrics
 
 
@@ -189,6 +198,14 @@ class Step:
     def __call__(self, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         return _run(self, state, batch)
 
+    def __repr__(self) -> str:
+        # The phases and hooks are closures, whose reprs tell a reader nothing.
+        subs = [key for key, _ in self.inits]
+        return (
+            f"Step({self.name!r}, transforms={list(self.transforms)}, "
+            f"substates={subs}, donate={self.donate})"
+        )
+
     def init(self, state: TrainState) -> TrainState:
         """Return ``state`` with every sub-state this step needs (existing ones kept)."""
         check_alive(state, f"{self.name}.init")
@@ -206,6 +223,15 @@ class Step:
         This is how transforms are written: check the order, then replace phases.
         """
         check_wrap(self, transform)
+        # Every field but the record of what was applied; a typo is named here, not
+        # as an unexpected keyword argument of Step.__init__.
+        valid = [f.name for f in attrs.fields(Step) if f.name != "transforms"]
+        unknown = sorted(set(changes) - set(valid))
+        if unknown:
+            raise TypeError(
+                f"{transform}: with_phases got {', '.join(map(repr, unknown))}, which is not "
+                f"a phase or hook of a Step; valid names are {', '.join(valid)}"
+            )
         return attrs.evolve(self, transforms=(*self.transforms, transform), **changes)
 
     @property
@@ -288,6 +314,7 @@ def step(loss_fn: LossFn, *, donate: bool = True) -> Step:
         raise TypeError(f"fasttorch.step expects a loss function, got {type(loss_fn).__name__}")
     name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
     check_signature(loss_fn, name)
+    _checks.flag("fasttorch.step", "donate", donate)
     return Step(
         loss=loss_phase(loss_fn),
         grad=grad_phase,
@@ -299,6 +326,13 @@ def step(loss_fn: LossFn, *, donate: bool = True) -> Step:
 
 
 # --------------------------------------------------------------------------- checks
+
+
+def _returned(out: Any) -> str:
+    if isinstance(out, tuple):
+        kinds = ", ".join(type(x).__name__ for x in out)
+        return f"a tuple of {len(out)} ({kinds})"
+    return f"a {type(out).__name__}"
 
 
 def check_signature(loss_fn: Callable[..., Any], name: str) -> None:
@@ -406,12 +440,6 @@ def check_wrap(step: Any, transform: str) -> None:
         )
 
 
-@functools.cache
-def warn_once(message: str) -> None:
-    """``warnings.warn(message)`` the first time this process says ``message``."""
-    warnings.warn(message, UserWarning, stacklevel=4)
-
-
 # --------------------------------------------------------------------------- driver
 
 
@@ -469,6 +497,7 @@ def _run_locked(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState
     device = state.device
     check_batch(batch, device, step.name, state.params)
     check_template(state, step.name)
+    check_matches(state.optimizer, state.opt_state, state.params, f"step {step.name!r}")
     given = state
     state = step.init(state)
     if not state.module.training:  # left in evaluation mode: the modes it trains in

@@ -32,6 +32,9 @@ def field(*, static: bool = False, **kwargs: Any) -> Any:
 class Record:
     """Base class: subclasses become frozen dataclasses registered as pytree nodes.
 
+    Records compare and hash by identity (``a == b`` is ``a is b``): their tensors have
+    no single truth value. ``fasttorch.testing.assert_states_close`` compares values.
+
     Example:
         >>> import torch
         >>> from fasttorch import struct
@@ -47,7 +50,10 @@ class Record:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        dataclasses.dataclass(frozen=True)(cls)
+        # eq=False: compared and hashed by identity, as nn.Module and torch.optim are. A
+        # field-by-field == would compare tensors (an error for more than one element)
+        # and a hash would hash dicts; compare values with testing.assert_states_close.
+        dataclasses.dataclass(frozen=True, eq=False)(cls)
         fields = dataclasses.fields(cls)  # type: ignore[arg-type]
         data = tuple(f.name for f in fields if not f.metadata.get(_STATIC, False))
         static = tuple(f.name for f in fields if f.metadata.get(_STATIC, False))

@@ -107,11 +107,33 @@ def test_logger_reads_only_every_k_steps_and_averages_the_loss(monkeypatch):
         before = reads.n
         log(i, m)
         assert (reads.n > before) == every(3)(i)
-    assert [i for i, _ in logged] == [2, 5]
+    # The sinks get the steps done (state.step after the update), as Progress shows.
+    assert [i for i, _ in logged] == [3, 6]
     assert set(logged[0][1]) == {"loss", "grad_norm", "lr", "loss_avg"}
     # Rule 3: a mean of 3 positive losses in two orders, each within gamma(3) relative.
     expected = float(sum(losses[3:6]) / 3)
     assert logged[1][1]["loss_avg"] == pytest.approx(expected, rel=2 * gamma(3), abs=0)
+
+
+def test_logger_progress_and_the_state_say_the_same_step_number():
+    torch.manual_seed(0)
+    state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.sgd(0.1))
+    step = fasttorch.step(mse)
+    logged, shown, counts = [], io.StringIO(), []
+    log = Logger(4, sink=lambda done, m: logged.append(done))
+    bar = Progress(8, k=4, stream=shown)
+    for i, b in zip(until(8), batches(8, 8)):
+        state, m = step(state, b)
+        log(i, m)
+        bar(i, m)
+        if every(4)(i):
+            counts.append(int(state.step))
+    assert counts == [4, 8]
+    assert logged == counts
+    assert [line.split(" | ")[0] for line in shown.getvalue().splitlines()] == [
+        "step 4/8",
+        "step 8/8",
+    ]
 
 
 def test_progress_writes_lines_when_not_a_tty():
@@ -193,7 +215,7 @@ def test_tensorboard_writer_reads_only_at_log_steps_and_tensorboard_reads_it_bac
     assert set(acc.Tags()["scalars"]) == names
     for name in names:
         events = acc.Scalars(name)
-        assert [e.step for e in events] == [2, 5]
+        assert [e.step for e in events] == [3, 6]
         for e, (_, m) in zip(events, handed):
             # Event files store float32: equal after rounding the float64 to float32.
             assert e.value == torch.tensor(m[name.removeprefix("train/")]).float().item()
@@ -219,15 +241,15 @@ def test_csv_and_jsonl_writers_read_back_and_append_on_resume(monkeypatch, tmp_p
     with CSVWriter(csv_path) as c, JSONLWriter(jsonl_path) as j:
         handed = _train_and_log(monkeypatch, [c, j])
     with CSVWriter(csv_path) as c, JSONLWriter(jsonl_path) as j:  # a resumed run appends
-        c(8, {"loss": 0.25, "lr": math.inf})
-        j(8, {"loss": 0.25, "eval": {"loss": math.nan}})
+        c(9, {"loss": 0.25, "lr": math.inf})
+        j(9, {"loss": 0.25, "eval": {"loss": math.nan}})
     rows = list(csv.DictReader(csv_path.open()))
-    assert [r["step"] for r in rows] == ["2", "5", "8"]  # one header
+    assert [r["step"] for r in rows] == ["3", "6", "9"]  # one header
     for r, (_, m) in zip(rows, handed):
         assert {k: float(v) for k, v in r.items() if k != "step"} == m  # repr: exact floats
     assert rows[2]["loss"] == "0.25" and rows[2]["lr"] == "inf" and rows[2]["grad_norm"] == ""
     lines = [json.loads(line) for line in jsonl_path.open()]
-    assert [line.pop("step") for line in lines] == [2, 5, 8]
+    assert [line.pop("step") for line in lines] == [3, 6, 9]
     assert lines[:2] == [m for _, m in handed]
     assert lines[2]["loss"] == 0.25 and math.isnan(lines[2]["eval/loss"])
 

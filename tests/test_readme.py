@@ -68,6 +68,9 @@ def test_quick_start_runs_as_written(tmp_path):
     out = proc.stdout
     losses = [float(line.split()[1]) for line in out.splitlines() if line]
     assert len(losses) == 5 and losses[-1] < losses[0] / 2
+    # The warm-up starts above 0: the first update moves the parameters.
+    first_lr = float(out.splitlines()[0].split()[2])
+    assert first_lr > 0
 
 
 def test_the_examples_readme_gives_the_same_main_command():

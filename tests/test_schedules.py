@@ -162,3 +162,47 @@ def test_bad_arguments(build: Callable[[], object], words: list[str]) -> None:
 def test_warmup_then_must_be_callable() -> None:
     with pytest.raises(TypeError, match="callable"):
         schedules.warmup(3, 0.5)  # type: ignore[arg-type]
+
+
+def _one_step(lr, *, compile_it=False):
+    from reference import LayerNormNet, batches, mse
+
+    import fasttorch
+
+    torch.manual_seed(0)
+    state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.sgd(lr))
+    step = fasttorch.step(mse)
+    if compile_it:
+        step = fasttorch.compiled(step, backend="aot_eager")
+    return step(state, batches(1, 8)[0])
+
+
+@pytest.mark.parametrize("compile_it", [False, True], ids=["eager", "compiled"])
+def test_a_schedule_returning_a_python_float_is_accepted(compile_it):
+    new, metrics = _one_step(lambda step: 0.1, compile_it=compile_it)
+    _, expected = _one_step(schedules.constant(0.1))
+    assert int(new.step) == 1
+    assert metrics["lr"].dtype == expected["lr"].dtype
+    assert float(metrics["lr"]) == float(expected["lr"])
+
+
+@pytest.mark.parametrize(
+    ("schedule", "words"),
+    [
+        (lambda step: 0.1 if step < 10 else 0.01, r"reads the step's value .*torch.where"),
+        (lambda step: 0.1 * 0.5 ** int(step), r"reads the step's value"),
+        (lambda step: None, r"lr must be a float, got None"),
+        (lambda step: -0.1, r"invalid lr=-0.1; valid values are finite and satisfy lr >= 0"),
+        (lambda step: torch.ones(2), r"tensor of shape \(2,\)"),
+    ],
+)
+def test_a_schedule_that_cannot_run_in_a_step_is_refused_when_the_optimizer_is_built(
+    schedule, words
+):
+    import fasttorch
+
+    for build in (fasttorch.optim.sgd, fasttorch.optim.adamw):
+        with pytest.raises((TypeError, ValueError), match=words):
+            build(schedule)
+    with pytest.raises((TypeError, ValueError), match=words):
+        fasttorch.optim.from_torch(torch.optim.Adam, schedule)

@@ -282,3 +282,52 @@ def test_calling_the_module_directly_gives_the_same_bits_as_functional_call():
         assert phases.module_tensors(states[0]) is not None
         moved = states[0].replace(params={k: v.clone() for k, v in states[0].params.items()})
         assert phases.module_tensors(moved) is None
+
+
+REPR_TRANSFORMS = {
+    "with_amp(bf16)": lambda s: fasttorch.with_amp(s, "bf16"),
+    "with_amp(fp16)": lambda s: fasttorch.with_amp(s, "fp16"),
+    "grad_accumulate": lambda s: fasttorch.grad_accumulate(s, 2),
+    "clip_scaled": lambda s: fasttorch.clip_scaled(s, 1.0),
+    "scale_loss": lambda s: fasttorch.scale_loss(s, 2.0),
+    "skip_nonfinite": lambda s: fasttorch.skip_nonfinite(s, max_consecutive=3),
+    "ema": lambda s: fasttorch.ema(s, 0.9),
+    "sync_on_last": fasttorch.sync_on_last,
+    "compiled": lambda s: fasttorch.compiled(s, backend="aot_eager"),
+}
+
+
+@pytest.mark.parametrize("name", list(REPR_TRANSFORMS))
+def test_every_transformed_step_has_a_short_readable_repr(name):
+    step = REPR_TRANSFORMS[name](fasttorch.step(mse))
+    text = repr(step)
+    assert text.startswith("Step('mse', transforms=[") and str(step) == text
+    assert name.split("(")[0] in text and "<function" not in text and len(text) < 200
+    if name == "with_amp(fp16)":
+        assert "substates=['amp'" in text
+
+
+def test_a_profiled_step_has_a_readable_repr(tmp_path):
+    prof = fasttorch.profiled(fasttorch.step(mse), dir=tmp_path)
+    assert (
+        repr(prof)
+        == "Profiled(Step('mse', transforms=[], substates=[], donate=True), calls=0, stopped=False)"
+    )
+
+
+def test_transform_configs_and_states_have_working_reprs():
+    from fasttorch.distributed.reducer import SyncConfig
+    from fasttorch.transforms.compiled import Compiler
+    from fasttorch.transforms.with_amp import DynamicLossScale
+
+    rule = DynamicLossScale(2.0**16, 2.0, 0.5, 2000)
+    assert repr(rule).startswith("DynamicLossScale(init_scale=65536.0")
+    assert repr(Compiler({"backend": "aot_eager"})) == "Compiler(options={'backend': 'aot_eager'})"
+    assert repr(SyncConfig()).startswith("SyncConfig(")
+    step = fasttorch.with_amp(fasttorch.ema(fasttorch.step(mse), 0.9), "fp16")
+    state = step.init(_state())
+    assert repr(state).startswith("TrainState(params=")
+    records = [s for s in state.substates.values() if isinstance(s, fasttorch.struct.Record)]
+    assert len(records) == 2  # the loss scale and the EMA
+    for sub in records:
+        assert repr(sub).startswith(type(sub).__name__ + "(")

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from fasttorch import struct
+from fasttorch import _checks, struct
 from fasttorch.schedules import Schedule
 
 __all__ = ["LearningRate", "OptState", "Optimizer", "set_hyperparams", "update_used"]
@@ -97,12 +97,12 @@ _RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
 
 def check_hyper(owner: str, name: str, value: object) -> None:
     """Raise ValueError (TypeError for non-numbers) unless ``value`` is valid for ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            f"{owner}: {name} must be a float, got {value!r} of type {type(value).__name__}."
-        )
     ok, rule = _RANGES[name]
-    if not math.isfinite(value) or not ok(float(value)):
+    # finite=False: inf and NaN get the message below, which names the range too.
+    x = _checks.real(
+        owner, name, value, finite=False, kind="a float", hint=f"Pass a value with {rule}."
+    )
+    if not math.isfinite(x) or not ok(x):
         raise ValueError(
             f"{owner}: invalid {name}={value!r}; valid values are finite and satisfy "
             f"{rule}. Pass a value in that range."
@@ -110,10 +110,67 @@ def check_hyper(owner: str, name: str, value: object) -> None:
 
 
 def check_lr(owner: str, lr: object) -> None:
-    """Validate a learning rate: a float >= 0 or a schedule (any callable)."""
+    """Validate a learning rate: a float >= 0 or a schedule (see :func:`check_schedule`)."""
     if callable(lr):
+        check_schedule(owner, lr)
         return
     check_hyper(owner, "lr", lr)
+
+
+_HOST_READS = frozenset(
+    {"__bool__", "__float__", "__int__", "__index__", "item", "tolist", "numpy", "cpu"}
+)
+
+
+class _NoHostRead(torch.overrides.TorchFunctionMode):
+    """Refuses reading a tensor's value into Python (``if step < 10``, ``float(step)``)."""
+
+    def __init__(self, owner: str) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(
+        self,
+        func: Callable[..., object],
+        types: object,
+        args: tuple[object, ...] = (),
+        kwargs: Mapping[str, object] | None = None,
+    ) -> object:
+        if getattr(func, "__name__", "") in _HOST_READS:
+            raise TypeError(
+                f"{self.owner}: the learning-rate schedule reads the step's value into Python "
+                f"({getattr(func, '__name__', func)}, as `if step < k:` or float(step) do). "
+                "A schedule is evaluated inside the step, where that is a host sync and, "
+                "compiled, a graph break. Write it with tensor ops, e.g. "
+                "lambda step: torch.where(step < 100, 1e-3, 1e-4), or use "
+                "fasttorch.schedules"
+            )
+        return func(*args, **(kwargs or {}))
+
+
+def check_schedule(owner: str, schedule: Callable[..., object]) -> None:
+    """Raise unless ``schedule(step)`` works at step 0 as it must inside a step.
+
+    Evaluated once here, on a CPU step tensor, so that a schedule that branches on the
+    step's value or returns no number fails when the optimizer is built, not at the
+    first step, after the state was given to it. A Python number is accepted (it is
+    turned into a tensor in the step); a tensor must hold one value.
+    """
+    try:
+        with _NoHostRead(owner):
+            out = schedule(torch.zeros((), dtype=torch.int64))
+    except Exception as e:
+        e.add_note(f"fasttorch: raised by {owner}'s lr schedule, evaluated at step 0 to check it")
+        raise
+    if isinstance(out, Tensor):
+        if out.numel() != 1 or out.is_complex() or out.dtype == torch.bool:
+            raise TypeError(
+                f"{owner}: the lr schedule returned a {out.dtype} tensor of shape "
+                f"{tuple(out.shape)} at step 0; a schedule returns the rate as a 0-d "
+                "float tensor (or a Python float)"
+            )
+        out = float(out.detach().reshape(()))
+    check_hyper(f"{owner} (its lr schedule at step 0)", "lr", out)
 
 
 def make_hyper(lr: LearningRate, device: torch.device, **values: float) -> dict[str, Tensor]:
@@ -136,7 +193,10 @@ def params_device(params: Mapping[str, Tensor]) -> torch.device:
 def scheduled_or_fixed_lr(lr: LearningRate, opt_state: OptState, step: Tensor) -> Tensor:
     """``lr(step)`` for a schedule, else the tensor in ``opt_state.hyper["lr"]``."""
     if callable(lr):
-        return lr(step).to(torch.float64)
+        rate = lr(step)
+        if not isinstance(rate, Tensor):  # a Python number (checked by check_schedule)
+            return torch.full((), float(rate), dtype=torch.float64, device=step.device)
+        return rate.to(torch.float64)
     return opt_state.hyper["lr"]
 
 
@@ -276,3 +336,39 @@ def update_used(
         for k, v in opt_state.slots.items()
     }
     return out, new_s.replace(slots=slots)
+# Layouts found to match, by (optimizer id, hyperparameter names, slot names); the
+# optimizer is kept in the value so that its id is not reused while cached.
+_MATCHED: dict[tuple[int, tuple[str, ...], tuple[str, ...]], Optimizer] = {}
+
+
+def check_matches(
+    optimizer: Optimizer, opt_state: OptState, params: Mapping[str, Tensor], api: str
+) -> None:
+    """Raise if ``opt_state`` does not have the layout ``optimizer.init`` gives.
+
+    A state whose optimizer was swapped (``state.replace(optimizer=optim.adamw(...))``
+    on an SGD state) otherwise fails inside the step with ``KeyError: 'beta1'``, after
+    the state was given to it. The expected layout comes from ``init`` on ``meta``
+    copies of the parameters (no memory), once per optimizer and layout; an
+    optimizer whose ``init`` cannot run on ``meta`` is not checked.
+    """
+    key = (id(optimizer), tuple(opt_state.hyper), tuple(opt_state.slots))
+    if _MATCHED.get(key) is optimizer:
+        return
+    try:
+        fresh = optimizer.init({k: torch.empty_like(p, device="meta") for k, p in params.items()})
+    except Exception:  # an optimizer that needs real tensors to init: not checked
+        return
+    if set(fresh.hyper) != set(opt_state.hyper) or set(fresh.slots) != set(opt_state.slots):
+        raise ValueError(
+            f"{api}: the state's optimizer state does not belong to its optimizer "
+            f"{type(optimizer).__name__}: it holds hyperparameters {sorted(opt_state.hyper)} "
+            f"and slots {sorted(opt_state.slots)}, where this optimizer keeps "
+            f"{sorted(fresh.hyper)} and {sorted(fresh.slots)} (was the optimizer swapped "
+            "with state.replace(optimizer=...)?). Start the new optimizer from a fresh "
+            "state: state.replace(optimizer=new, opt_state=new.init(state.params)), or "
+            "TrainState.create(model, new)"
+        )
+    if len(_MATCHED) > 256:
+        _MATCHED.clear()
+    _MATCHED[key] = optimizer

@@ -8,6 +8,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from fasttorch import _checks
 from fasttorch.optim._base import (
     LearningRate,
     OptState,
@@ -42,6 +43,7 @@ class SGD:
         check_lr("sgd", self.lr)
         for name in ("momentum", "dampening", "weight_decay"):
             check_hyper("sgd", name, getattr(self, name))
+        _checks.flag("sgd", "nesterov", self.nesterov)
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ValueError(
                 f"sgd: nesterov=True needs momentum > 0 and dampening = 0, got "

@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from fasttorch import _checks
 from fasttorch.phases import GradOut, Metrics, reciprocal, scale_grads, unscaled_norm
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, check_wrap
@@ -48,12 +49,15 @@ def clip_scaled(step: Step, max_norm: float) -> Step:
         True
     """
     check_wrap(step, "clip_scaled")
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
-        raise TypeError(f"clip_scaled: max_norm must be a number, got {type(max_norm).__name__}")
-    if not max_norm > 0:
-        raise ValueError(
-            f"clip_scaled: max_norm must be > 0 (math.inf turns clipping off); got {max_norm}"
-        )
+    _checks.real(
+        "clip_scaled",
+        "max_norm",
+        max_norm,
+        low=0.0,
+        low_open=True,
+        finite=False,
+        hint="(math.inf turns clipping off)",
+    )
     if math.isinf(max_norm):
         return step
     inner = step.update

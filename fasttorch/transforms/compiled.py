@@ -16,13 +16,13 @@ import os
 import threading
 import types
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, overload
 
 import attrs
 import torch
 import torch.utils._pytree as pytree
 
-from fasttorch import _compat
+from fasttorch import _checks, _compat
 from fasttorch.state import TrainState, is_sharded
 from fasttorch.steps import Step, check_wrap, warn_once
 from fasttorch.transforms._cpu_gemm import CpuGemm, HalfGemmInFloat32, half_gemm_dtypes
@@ -40,6 +40,35 @@ class Compiler:
 
     def __call__(self, fn: Callable[..., Any], *, cpp_wrapper: bool = False) -> Callable[..., Any]:
         return compile_step_fn(fn, cpp_wrapper_on_cpu=cpp_wrapper, **self.options)
+
+
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
+
+
+@overload
+def compiled(
+    step: Step,
+    *,
+    mode: Mode | None = None,
+    fullgraph: bool = True,
+    dynamic: bool | None = None,
+    backend: str | Callable[..., Any] = "inductor",
+    options: dict[str, Any] | None = None,
+    cpu_gemm: CpuGemm = "auto",
+) -> Step: ...
+
+
+@overload
+def compiled(
+    step: _Fn,
+    *,
+    mode: Mode | None = None,
+    fullgraph: bool = True,
+    dynamic: bool | None = None,
+    backend: str | Callable[..., Any] = "inductor",
+    options: dict[str, Any] | None = None,
+    cpu_gemm: CpuGemm = "auto",
+) -> _Fn: ...
 
 
 def compiled(
@@ -106,6 +135,7 @@ def compiled(
         >>> int(state.step)
         1
     """
+    _check_arguments(mode, backend, fullgraph, dynamic)
     opts: dict[str, Any] = {"fullgraph": fullgraph, "dynamic": dynamic, "backend": backend}
     if mode is not None:
         opts["mode"] = mode
@@ -140,6 +170,32 @@ def compiled(
 
     run.__fasttorch_compiled__ = True  # type: ignore[attr-defined]
     return run
+
+
+def _check_arguments(mode: object, backend: object, fullgraph: object, dynamic: object) -> None:
+    """Raise now for a mode or backend torch.compile does not know: its first call would.
+
+    That first call is the step's, after the state was given to it (and donated).
+    """
+    _checks.flag("compiled", "fullgraph", fullgraph)
+    if dynamic is not None:
+        _checks.flag("compiled", "dynamic", dynamic)
+    if mode is not None:
+        modes = _compat.compile_modes()
+        if mode not in modes:
+            raise ValueError(
+                f"compiled: unknown mode={mode!r}; torch.compile's modes are "
+                f"{', '.join(map(repr, modes))} (or None)"
+            )
+    if callable(backend):
+        return
+    backends = _compat.compile_backends()
+    if backend not in backends:
+        raise ValueError(
+            f"compiled: unknown backend={backend!r}; torch.compile knows "
+            f"{', '.join(map(repr, backends))}, or pass a backend function (register a "
+            "named one with torch._dynamo.register_backend before calling compiled)"
+        )
 
 
 def _with_cpu_gemm(

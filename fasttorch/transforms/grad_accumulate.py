@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fasttorch import _scope, struct
+from fasttorch import _checks, _scope, struct
 from fasttorch.donation import commit
 from fasttorch.phases import (
     Batch,
@@ -116,10 +116,8 @@ def grad_accumulate(step: Step, n: int, *, across_calls: bool = False) -> Step:
         1
     """
     check_wrap(step, "grad_accumulate")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"grad_accumulate: n must be an integer >= 1, got {n!r}")
-    if not isinstance(across_calls, bool):
-        raise TypeError(f"grad_accumulate: across_calls must be a bool, got {across_calls!r}")
+    _checks.count("grad_accumulate", "n", n)
+    _checks.flag("grad_accumulate", "across_calls", across_calls)
     if n == 1:
         return step
     if across_calls:

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from fasttorch import _checks
+
 __all__ = ["Profiled", "profiled"]
 
 PROFILED_MARK = "__fasttorch_profiled__"
@@ -36,6 +38,9 @@ class Profiled:
         self._total = total
         self._stopped = False
         setattr(self, PROFILED_MARK, True)
+
+    def __repr__(self) -> str:
+        return f"Profiled({self.step!r}, calls={self.calls}, stopped={self._stopped})"
 
     def __call__(self, state: Any, batch: Any) -> Any:
         if self._stopped:
@@ -125,12 +130,8 @@ def profiled(
             f"profiled expects a step or a (state, batch) callable, got {type(step).__name__}"
         )
     for name, value, low in (("wait", wait, 0), ("warmup", warmup, 0), ("active", active, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"profiled: {name} must be an integer >= {low}, got {value!r}")
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 0:
-        raise ValueError(
-            f"profiled: repeat must be an integer >= 0 (0 repeats until .stop()), got {repeat!r}"
-        )
+        _checks.count("profiled", name, value, low=low)
+    _checks.count("profiled", "repeat", repeat, low=0, hint="(0 repeats until .stop())")
     if not isinstance(dir, (str, os.PathLike)):
         raise TypeError(f"profiled: dir must be a path, got {type(dir).__name__}")
     trace_dir = os.fspath(dir)

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import math
-
+from fasttorch import _checks
 from fasttorch.phases import Batch, GradOut, LossPhase
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, check_wrap
@@ -42,16 +41,15 @@ def scale_loss(step: Step, factor: float) -> Step:
         1
     """
     check_wrap(step, "scale_loss")
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
-        raise TypeError(f"scale_loss: factor must be a number, got {type(factor).__name__}")
-    if factor == 0 or not math.isfinite(factor):
+    value = _checks.real("scale_loss", "factor", factor)
+    if value == 0:
         raise ValueError(
-            f"scale_loss: factor must be finite and not 0 (0 would train on nothing); got {factor}"
+            "scale_loss: factor must be finite and not 0 (0 would train on nothing); got 0"
         )
     if factor == 1:
         return step
     inner = step.grad
-    weight = float(factor)
+    weight = value
 
     def grad(loss: LossPhase, state: TrainState, batch: Batch, mult: object) -> GradOut:
         return inner(loss, state, batch, mult * weight)  # type: ignore[operator]

@@ -8,7 +8,7 @@ from typing import Literal
 import attrs
 import torch
 
-from fasttorch import _compat, struct
+from fasttorch import _checks, _compat, struct
 from fasttorch._late import LateRead
 from fasttorch.phases import (
     Batch,
@@ -232,6 +232,20 @@ def with_amp(
     check_wrap(step, "with_amp")
     if precision not in ("bf16", "fp16", "auto"):
         raise ValueError(f"with_amp: precision must be 'bf16', 'fp16' or 'auto', got {precision!r}")
+    # Checked for bf16 too (where they are unused): a wrong value is a mistake either way.
+    init_scale = _checks.real("with_amp", "init_scale", init_scale, low=0.0, low_open=True)
+    growth_factor = _checks.real("with_amp", "growth_factor", growth_factor, low=1.0, low_open=True)
+    backoff_factor = _checks.real(
+        "with_amp",
+        "backoff_factor",
+        backoff_factor,
+        low=0.0,
+        low_open=True,
+        high=1.0,
+        high_open=True,
+    )
+    growth_interval = _checks.count("with_amp", "growth_interval", growth_interval)
+    min_scale = _checks.real("with_amp", "min_scale", min_scale, low=0.0, low_open=True)
     dev = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = resolve_precision(precision, dev)
     inner_loss = step.loss
@@ -249,11 +263,7 @@ def with_amp(
     if dtype == torch.bfloat16:
         return step.with_phases("with_amp", loss=loss)
 
-    if isinstance(min_scale, bool) or not isinstance(min_scale, (int, float)):
-        raise TypeError(f"with_amp: min_scale must be a float, got {min_scale!r}")
-    rule = DynamicLossScale(
-        init_scale, growth_factor, backoff_factor, growth_interval, float(min_scale)
-    )
+    rule = DynamicLossScale(init_scale, growth_factor, backoff_factor, growth_interval, min_scale)
     inner_grad, inner_update = step.grad, step.update
 
     def grad(loss: LossPhase, state: TrainState, batch: Batch, mult: object) -> GradOut:

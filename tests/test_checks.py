@@ -1,0 +1,205 @@
+"""Argument checks: bad numbers, bools for numbers and numbers for bools, typos and
+misuse are refused where the mistake is made, with the API, the argument, what was
+given and what is valid in the message; the state given to a step is not consumed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from reference import LayerNormNet, batches, mse
+
+import fasttorch
+from fasttorch import _checks, optim, schedules
+from fasttorch.loop import EarlyStopping, every, until
+
+HUGE = 10**400  # an int no float holds
+
+
+def _state(opt=None):
+    torch.manual_seed(0)
+    return fasttorch.TrainState.create(LayerNormNet(), opt or optim.sgd(0.1))
+
+
+def test_real_count_and_flag():
+    assert _checks.real("api", "x", 3) == 3.0 and type(_checks.real("api", "x", 3)) is float
+    assert _checks.real("api", "x", float("inf"), finite=False) == float("inf")
+    for bad in (True, "1.0", None, 1j):
+        with pytest.raises(TypeError, match=r"api: x must be a number .* got"):
+            _checks.real("api", "x", bad)
+    with pytest.raises(ValueError, match=r"api: x must be finite and >= 0, got x=-1\.5"):
+        _checks.real("api", "x", -1.5, low=0.0)
+    with pytest.raises(ValueError, match=r"finite and > 0 and < 1, got x=1\b"):
+        _checks.real("api", "x", 1, low=0.0, low_open=True, high=1.0, high_open=True)
+    with pytest.raises(ValueError, match="x must be finite, got x=nan"):
+        _checks.real("api", "x", float("nan"))
+    with pytest.raises(ValueError, match=r"\(401 characters\), too large for a float") as info:
+        _checks.real("api", "x", HUGE)
+    assert len(str(info.value)) < 200  # not 400 digits
+    assert _checks.count("api", "n", 2) == 2
+    for bad in (True, 2.0, "2"):
+        with pytest.raises(TypeError, match=r"n must be an integer >= 1, got"):
+            _checks.count("api", "n", bad)
+    with pytest.raises(ValueError, match=r"n must be an integer >= 0, got -1"):
+        _checks.count("api", "n", -1, low=0)
+    assert _checks.flag("api", "on", False) is False
+    for bad in ("no", 1, None):
+        with pytest.raises(TypeError, match="api: on must be a bool"):
+            _checks.flag("api", "on", bad)
+    # A wrong type is also a ValueError: callers that caught ValueError keep working.
+    assert issubclass(_checks.ArgumentTypeError, ValueError)
+
+
+def test_warn_once_lives_in_checks_and_steps_keeps_its_name():
+    from fasttorch import steps
+
+    assert steps.warn_once is _checks.warn_once
+
+
+BAD_ARGUMENTS: list[tuple[str, Callable[[], object], type[Exception], str]] = [
+    ("donate='no'", lambda: fasttorch.step(mse, donate="no"), TypeError, "donate must be"),
+    ("cosine(-1)", lambda: schedules.cosine(-1.0, 10), ValueError, r"peak must be .*>= 0"),
+    ("constant(-1)", lambda: schedules.constant(-0.1), ValueError, "value must be"),
+    ("warmup_init", lambda: schedules.linear_warmup(1.0, 3, init=-1.0), ValueError, "init"),
+    ("cosine_end", lambda: schedules.cosine(1.0, 3, end=-1.0), ValueError, "end must"),
+    ("step_decay", lambda: schedules.step_decay(-1.0, 3), ValueError, "init must"),
+    (
+        "warmup(init)",
+        lambda: schedules.warmup(2, schedules.constant(1.0), init=-1),
+        ValueError,
+        "Warmup: init must",
+    ),
+    (
+        "init_scale",
+        lambda: fasttorch.with_amp(fasttorch.step(mse), "fp16", init_scale=True),
+        TypeError,
+        "init_scale must be a number",
+    ),
+    (
+        "growth_interval",
+        lambda: fasttorch.with_amp(fasttorch.step(mse), "fp16", growth_interval="10"),
+        TypeError,
+        "growth_interval must be an integer",
+    ),
+    (
+        "nesterov",
+        lambda: optim.sgd(0.1, momentum=0.9, nesterov="yes"),
+        TypeError,
+        "nesterov must be a bool",
+    ),
+    (
+        "clip_scaled",
+        lambda: fasttorch.clip_scaled(fasttorch.step(mse), HUGE),
+        ValueError,
+        "max_norm .* too large",
+    ),
+    (
+        "scale_loss",
+        lambda: fasttorch.scale_loss(fasttorch.step(mse), HUGE),
+        ValueError,
+        "factor .* too large",
+    ),
+    ("sgd(lr)", lambda: optim.sgd(HUGE), ValueError, "lr .* too large"),
+    ("adamw(eps)", lambda: optim.adamw(1e-3, eps=-HUGE), ValueError, "eps .* too large"),
+    (
+        "set_hyperparams",
+        lambda: optim.set_hyperparams(_state().opt_state, lr=HUGE),
+        ValueError,
+        "set_hyperparams: lr .* too large",
+    ),
+    ("linear_warmup", lambda: schedules.linear_warmup(HUGE, 3), ValueError, "peak .* too large"),
+    (
+        "seed",
+        lambda: fasttorch.TrainState.create(LayerNormNet(), optim.sgd(0.1), seed=2**70),
+        ValueError,
+        r"seed=.* does not fit in 64 bits",
+    ),
+    ("until(start)", lambda: until(3, start="a"), TypeError, "until: start must be an integer"),
+    ("until(max_seconds)", lambda: until(max_seconds="1"), TypeError, "max_seconds must be"),
+    ("every", lambda: every(True), TypeError, "every: k must be an integer"),
+    ("EarlyStopping", lambda: EarlyStopping(2, min_delta="0"), TypeError, "min_delta must"),
+    (
+        "compiled(mode)",
+        lambda: fasttorch.compiled(fasttorch.step(mse), mode="reduce-overheed"),
+        ValueError,
+        r"unknown mode='reduce-overheed'.*'reduce-overhead'",
+    ),
+    (
+        "compiled(backend)",
+        lambda: fasttorch.compiled(fasttorch.step(mse), backend="inductr"),
+        ValueError,
+        r"unknown backend='inductr'.*'inductor'",
+    ),
+    (
+        "compiled(fn, backend)",
+        lambda: fasttorch.compiled(lambda s, b: (s, {}), backend="eagr"),
+        ValueError,
+        "unknown backend",
+    ),
+    (
+        "compiled(fullgraph)",
+        lambda: fasttorch.compiled(fasttorch.step(mse), fullgraph="no"),
+        TypeError,
+        "fullgraph must be a bool",
+    ),
+    (
+        "with_phases typo",
+        lambda: fasttorch.step(mse).with_phases("mine", updat=None),
+        TypeError,
+        r"'updat', which is not a phase .* valid names are loss, grad, update",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("build", "kind", "words"),
+    [case[1:] for case in BAD_ARGUMENTS],
+    ids=[case[0] for case in BAD_ARGUMENTS],
+)
+def test_bad_arguments_are_refused_where_given(build, kind, words):
+    with pytest.raises(kind, match=words):
+        build()
+
+
+@pytest.mark.parametrize(
+    ("weight", "kind", "words"),
+    [
+        (-1, ValueError, r"Loss.weight must be finite and >= 0, got Loss.weight=-1"),
+        ("abc", TypeError, r"Loss.weight must be a number .* got 'abc'"),
+    ],
+)
+def test_a_loss_weight_that_is_no_count_is_refused(weight, kind, words):
+    def loss_fn(apply, batch):
+        return fasttorch.Loss(mse(apply, batch), weight=weight)
+
+    step = fasttorch.grad_accumulate(fasttorch.step(loss_fn, donate=False), 2)
+    with pytest.raises(kind, match=words):
+        step(_state(), batches(1, 8)[0])
+
+
+def test_an_update_returning_only_the_state_is_named_before_anything_runs_on():
+    step = fasttorch.step(mse, donate=False)
+    inner = step.update
+    bad = step.with_phases("mine", update=lambda state, g: inner(state, g)[0])
+    with pytest.raises(
+        TypeError, match=r"update phase returned a TrainState.*\(new_state, metrics\)"
+    ):
+        bad(_state(), batches(1, 8)[0])
+
+
+def test_a_swapped_optimizer_is_refused_before_the_state_is_given_to_the_step():
+    state = _state(optim.sgd(0.1)).replace(optimizer=optim.adamw(1e-3))
+    with pytest.raises(ValueError, match=r"does not belong to its optimizer Adam.*opt_state=new"):
+        fasttorch.step(mse)(state, batches(1, 8)[0])
+    assert len(state.params) > 0  # alive (a donated state raises): it was never taken
+    fixed = state.replace(opt_state=state.optimizer.init(state.params))
+    new, _ = fasttorch.step(mse)(fixed, batches(1, 8)[0])
+    assert int(new.step) == 1
+
+
+def test_states_compare_and_hash_by_identity():
+    a, b = _state(), _state()
+    assert a == a and a != b and hash(a) == hash(a)
+    assert len({a, b, a}) == 2
+    assert a.opt_state == a.opt_state and a.opt_state != b.opt_state
