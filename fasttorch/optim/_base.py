@@ -336,6 +336,8 @@ def update_used(
         for k, v in opt_state.slots.items()
     }
     return out, new_s.replace(slots=slots)
+
+
 # Layouts found to match, by (optimizer id, hyperparameter names, slot names); the
 # optimizer is kept in the value so that its id is not reused while cached.
 _MATCHED: dict[tuple[int, tuple[str, ...], tuple[str, ...]], Optimizer] = {}
