@@ -178,7 +178,7 @@ def test_a_loss_weight_that_is_no_count_is_refused(weight, kind, words):
         step(_state(), batches(1, 8)[0])
 
 
-def test_an_update_returning_only_the_state_is_named_before_anything_runs_on():
+def test_an_update_returning_only_the_state_gets_an_error_naming_the_contract():
     step = fasttorch.step(mse, donate=False)
     inner = step.update
     bad = step.with_phases("mine", update=lambda state, g: inner(state, g)[0])
