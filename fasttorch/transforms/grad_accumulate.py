@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.utils._pytree as pytree
@@ -51,6 +51,10 @@ class AccumState(struct.Record):
     weight: torch.Tensor
     value: torch.Tensor
     micro: int = struct.field(static=True, default=0)
+
+    # Donated windows are zeroed and refilled in place (commit): the same tensors on
+    # every call, as the scratch window of accumulation within a call.
+    kept_across_calls: ClassVar[bool] = True
 
     def zeroed(self) -> AccumState:
         """A fresh, empty window shaped as this one."""
