@@ -70,6 +70,14 @@ def compiled(
     ``compiled`` must be the outermost of the phase transforms. It also accepts any
     ``(state, batch) -> (state, metrics)`` callable (a custom step), compiled whole.
 
+    With CUDA graphs (``mode="reduce-overhead"``) a step's graphs are captured: the
+    donated state's tensors are marked static, each call is one step of inductor's
+    graph trees, and the metrics are copied out of the graphs' memory, so they stay
+    valid after the next call. The step must donate (``donate=False`` is refused
+    here); set hyperparameters with ``set_hyperparams(..., in_place=True)``. A custom
+    callable gets none of this: its mutated inputs are not static.
+    ``fasttorch.testing.check_cudagraphs`` tells, on any device, what is captured.
+
     Equivalent to writing the loop body as one function and ``torch.compile``-ing it,
     which ``torch.compile(model)`` alone does not give: the optimizer and clipping only
     fuse when they are in the same graph as the backward.
@@ -100,6 +108,9 @@ def compiled(
             ``backend="aot_eager"`` checks graph capture without code generation.
         cpu_gemm: ``"auto"``, ``"fp32"`` or ``"native"``: how bf16/fp16 matrix
             products and attention on CPU tensors are computed (see above).
+
+    Raises:
+        ValueError: CUDA graphs asked for a step built with ``donate=False``.
 
     Example:
         >>> import torch, fasttorch
