@@ -312,3 +312,22 @@ def test_sync_on_last(world_of_one, marked, monkeypatch):
     assert got["micro"].captured is marked and got["apply_update"].captured is marked, got
     assert got["micro"].ok is marked and got["apply_update"].ok is marked
     assert got["loss"].captured
+
+
+def test_a_graph_cuda_graphs_skip_is_said_once_in_plain_words():
+    """On a GPU, the first call compares inductor's skip counter (only CUDA has one)."""
+    from fasttorch.transforms.compiled import _first_graph_call
+
+    def skipped(*args):  # a compiled graph that inductor ran without CUDA graphs
+        _compat.dynamo_counters()["inductor"]["cudagraph_skips"] += 1
+        return "out"
+
+    def captured(*args):
+        return "out"
+
+    def _probe_graph(state, batch):
+        raise AssertionError("the compiled function runs, not this one")
+
+    assert _first_graph_call(captured, _probe_graph, (), {}, False) == "out"
+    with pytest.warns(UserWarning, match="CUDA graphs do not capture the step's 'probe_graph'"):
+        assert _first_graph_call(skipped, _probe_graph, (), {}, False) == "out"
