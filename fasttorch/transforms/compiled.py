@@ -138,8 +138,9 @@ def compiled(
         if not uses_cudagraphs(opts):
             return step.with_phases("compiled", jit=Compiler(opts, static_state=step.donate))
         if not step.donate:
+            how = f"mode={mode!r}" if mode else "options={'triton.cudagraphs': True}"
             raise ValueError(
-                f"compiled({step.name}, mode={mode!r}): CUDA graphs need a donating step. "
+                f"compiled({step.name}, {how}): CUDA graphs need a donating step. "
                 "A graph's outputs live in memory its next replay overwrites, so with "
                 "donate=False the new state would be overwritten by the next call; with "
                 "donation the results are written into the input state's own tensors, "
