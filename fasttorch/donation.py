@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from fasttorch import struct
 
-__all__ = ["commit"]
+__all__ = ["commit", "kept_leaves"]
 
 
 def commit(donate: bool, old: Any, new: Any) -> Any:
@@ -74,3 +75,18 @@ def _reuse(
         items = [_reuse(a, b, dst, src, compiling) for a, b in zip(old, new)]
         return type(new)(items) if isinstance(new, list) else tuple(items)
     return new
+
+
+def kept_leaves(args: Any) -> list[torch.Tensor]:
+    """The tensors of the records in ``args`` that a donating step keeps from call to call.
+
+    A record declares it with a class attribute ``kept_across_calls = True`` (the
+    train state, an across-calls accumulation window); :func:`commit` writes every
+    result into those tensors, so they are the same objects, at the same addresses, on
+    every call. ``compiled`` marks them static for CUDA graphs.
+    """
+    out: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, struct.Record) and getattr(type(a), "kept_across_calls", False):
+            out.extend(t for t in pytree.tree_leaves(a) if isinstance(t, torch.Tensor))
+    return out

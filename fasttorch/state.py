@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import torch
 from torch import nn
@@ -76,6 +76,10 @@ class TrainState(struct.Record):
     substates: dict[str, Any]
     module: nn.Module = struct.field(static=True)
     optimizer: Optimizer = struct.field(static=True)
+
+    # A donating step writes its results into these tensors (fasttorch.donation): the
+    # same objects on every call, which compiled marks static for CUDA graphs.
+    kept_across_calls: ClassVar[bool] = True
 
     @classmethod
     def create(

@@ -18,6 +18,10 @@
 * ``reference``: the parameters equal those of your plain-PyTorch loop, given as
   ``reference(model, batches)`` on a deep copy of the initial model.
 
+:func:`check_cudagraphs` tells, on any device, whether CUDA graphs
+(``compiled(..., mode="reduce-overhead")``) would capture each of a step's graphs, and
+every reason they would not.
+
 Example:
     >>> import torch, fasttorch
     >>> from fasttorch.testing import check_step
@@ -53,10 +57,18 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fasttorch import _compat
+from fasttorch._cudagraphs import CudagraphReport, check_cudagraphs
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, eager
 
-__all__ = ["CHECKS", "assert_states_close", "check_step", "forbid_host_sync"]
+__all__ = [
+    "CHECKS",
+    "CudagraphReport",
+    "assert_states_close",
+    "check_cudagraphs",
+    "check_step",
+    "forbid_host_sync",
+]
 
 CHECKS = ("pure", "dtype", "composes", "compiles", "no_host_sync", "reference")
 """The checks :func:`check_step` knows, in the order it runs them."""

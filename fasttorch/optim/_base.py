@@ -200,12 +200,21 @@ def scheduled_or_fixed_lr(lr: LearningRate, opt_state: OptState, step: Tensor) -
     return opt_state.hyper["lr"]
 
 
-def set_hyperparams(opt_state: OptState, **values: float | Tensor) -> OptState:
+def set_hyperparams(
+    opt_state: OptState, *, in_place: bool = False, **values: float | Tensor
+) -> OptState:
     """A copy of ``opt_state`` with some hyperparameters replaced.
 
     The new values become 0-d tensors of the old ones' dtype and device, so a compiled
     step sees new tensor *values*, not new constants, and does not recompile. The
     torch.optim equivalent is ``for g in opt.param_groups: g["lr"] = value``.
+
+    With ``in_place=True`` the values are written into the state's own 0-d tensors
+    instead (the input then holds them too, as a donated state's tensors do), and the
+    result holds the same tensor objects. Use it with a donating step under CUDA
+    graphs (``compiled(..., mode="reduce-overhead")``): the graphs read the state's
+    tensors at fixed addresses, and a new tensor would make them record again (after
+    128 such records inductor stops using graphs for the step).
 
     Args:
         opt_state: the state returned by an optimizer's ``init`` or ``update``.
@@ -228,6 +237,9 @@ def set_hyperparams(opt_state: OptState, **values: float | Tensor) -> OptState:
         >>> state = optim.adamw(1e-3).init({"w": torch.zeros(3)})
         >>> optim.set_hyperparams(state, lr=1e-4).hyper["lr"]
         tensor(1.0000e-04)
+        >>> lr = state.hyper["lr"]
+        >>> optim.set_hyperparams(state, lr=1e-5, in_place=True).hyper["lr"] is lr
+        True
     """
     hyper = dict(opt_state.hyper)
     for name, value in values.items():
@@ -256,6 +268,10 @@ def set_hyperparams(opt_state: OptState, **values: float | Tensor) -> OptState:
             # a parameter group's hyperparameter ("group0.lr") has the range of its own
             check_hyper("set_hyperparams", name.rsplit(".", 1)[-1], value)
             hyper[name] = torch.tensor(float(value), dtype=old.dtype, device=old.device)
+    if in_place:
+        # Checked first, written after: a bad value leaves every tensor as it was.
+        for name in values:
+            hyper[name] = opt_state.hyper[name].copy_(hyper[name])
     return opt_state.replace(hyper=hyper)
 
 

@@ -23,8 +23,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from fasttorch import _checks, _compat
+from fasttorch.donation import kept_leaves
+from fasttorch.phases import Batch, Metrics
 from fasttorch.state import TrainState, is_sharded
-from fasttorch.steps import Step, check_wrap, warn_once
+from fasttorch.steps import Runner, Step, check_wrap, warn_once
 from fasttorch.transforms._cpu_gemm import CpuGemm, HalfGemmInFloat32, half_gemm_dtypes
 
 __all__ = ["Compiler", "compile_step_fn", "compiled"]
@@ -37,9 +39,12 @@ class Compiler:
     """The ``jit`` hook ``compiled`` installs: ``torch.compile`` with these arguments."""
 
     options: dict[str, Any]
+    static_state: bool = False
 
     def __call__(self, fn: Callable[..., Any], *, cpp_wrapper: bool = False) -> Callable[..., Any]:
-        return compile_step_fn(fn, cpp_wrapper_on_cpu=cpp_wrapper, **self.options)
+        return compile_step_fn(
+            fn, cpp_wrapper_on_cpu=cpp_wrapper, static_state=self.static_state, **self.options
+        )
 
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
@@ -94,6 +99,14 @@ def compiled(
     ``compiled`` must be the outermost of the phase transforms. It also accepts any
     ``(state, batch) -> (state, metrics)`` callable (a custom step), compiled whole.
 
+    With CUDA graphs (``mode="reduce-overhead"``) a step's graphs are captured: the
+    donated state's tensors are marked static, each call is one step of inductor's
+    graph trees, and the metrics are copied out of the graphs' memory, so they stay
+    valid after the next call. The step must donate (``donate=False`` is refused
+    here); set hyperparameters with ``set_hyperparams(..., in_place=True)``. A custom
+    callable gets none of this: its mutated inputs are not static.
+    ``fasttorch.testing.check_cudagraphs`` tells, on any device, what is captured.
+
     Equivalent to writing the loop body as one function and ``torch.compile``-ing it,
     which ``torch.compile(model)`` alone does not give: the optimizer and clipping only
     fuse when they are in the same graph as the backward.
@@ -125,6 +138,9 @@ def compiled(
         cpu_gemm: ``"auto"``, ``"fp32"`` or ``"native"``: how bf16/fp16 matrix
             products and attention on CPU tensors are computed (see above).
 
+    Raises:
+        ValueError: CUDA graphs asked for a step built with ``donate=False``.
+
     Example:
         >>> import torch, fasttorch
         >>> def loss_fn(apply, batch):
@@ -149,7 +165,21 @@ def compiled(
         )
     if isinstance(step, Step):
         check_wrap(step, "compiled")
-        return step.with_phases("compiled", jit=Compiler(opts))
+        if not uses_cudagraphs(opts):
+            return step.with_phases("compiled", jit=Compiler(opts, static_state=step.donate))
+        if not step.donate:
+            how = f"mode={mode!r}" if mode else "options={'triton.cudagraphs': True}"
+            raise ValueError(
+                f"compiled({step.name}, {how}): CUDA graphs need a donating step. "
+                "A graph's outputs live in memory its next replay overwrites, so with "
+                "donate=False the new state would be overwritten by the next call; with "
+                "donation the results are written into the input state's own tensors, "
+                "which stay. Build the step with donate=True (the default), or compile "
+                "without CUDA graphs (mode=None or 'max-autotune-no-cudagraphs')"
+            )
+        return step.with_phases(
+            "compiled", jit=Compiler(opts, static_state=True), runner=GraphCall(step.runner)
+        )
     if not callable(step):
         raise TypeError(f"compiled expects a step or a callable, got {type(step).__name__}")
     if getattr(step, "__fasttorch_compiled__", False):
@@ -196,6 +226,51 @@ def _check_arguments(mode: object, backend: object, fullgraph: object, dynamic: 
             f"{', '.join(map(repr, backends))}, or pass a backend function (register a "
             "named one with torch._dynamo.register_backend before calling compiled)"
         )
+
+
+def uses_cudagraphs(options: dict[str, Any]) -> bool:
+    """Whether ``torch.compile`` arguments ask inductor for CUDA graphs.
+
+    ``mode="reduce-overhead"`` and ``"max-autotune"`` do, or ``triton.cudagraphs`` in
+    the options; only the inductor backend makes them.
+    """
+    if options.get("backend", "inductor") != "inductor":
+        return False
+    inner = options.get("options") or {}
+    if "triton.cudagraphs" in inner:
+        return bool(inner["triton.cudagraphs"])
+    mode = options.get("mode")
+    if mode is None or mode == "default":
+        return False
+    expanded = _compat.inductor_mode_options(mode, options.get("dynamic"))
+    return bool(expanded.get("triton.cudagraphs", False))
+
+
+@attrs.frozen
+class GraphCall:
+    """The runner ``compiled`` installs under CUDA graphs around the step's own runner.
+
+    Inductor's CUDA graph trees free a graph's outputs when the next step begins, and
+    without a mark every compiled call begins one: a window's microbatch graphs and its
+    update graph would each start a step of their own. Here one call of the step is one
+    step of the tree (``torch.compiler.cudagraph_mark_step_begin``), so the outputs of a
+    window's microbatches stay valid while its update runs; the metrics are then copied
+    out of the graphs' memory (a few scalars), so that they stay valid after the next
+    call, as an eager step's do (a ``Logger`` keeps a loss across steps). The state
+    needs no copy: a donating step's results are in the input state's own tensors.
+    """
+
+    inner: Runner
+
+    def __call__(self, step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        torch.compiler.cudagraph_mark_step_begin()  # type: ignore[no-untyped-call]
+        new, metrics = self.inner(step, state, batch)
+        return new, pytree.tree_map(_out_of_graph_pool, metrics)
+
+
+def _out_of_graph_pool(x: Any) -> Any:
+    # Only CUDA tensors can be a CUDA graph's output; a clone is an eager allocation.
+    return x.clone() if isinstance(x, torch.Tensor) and x.device.type == "cuda" else x
 
 
 def _with_cpu_gemm(
@@ -277,7 +352,11 @@ def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def compile_step_fn(
-    fn: Callable[..., Any], *, cpp_wrapper_on_cpu: bool = False, **options: Any
+    fn: Callable[..., Any],
+    *,
+    cpp_wrapper_on_cpu: bool = False,
+    static_state: bool = False,
+    **options: Any,
 ) -> Callable[..., Any]:
     """``torch.compile(fn)``, called with dynamo allowed to trace ``torch.autograd.grad``.
 
@@ -294,6 +373,12 @@ def compile_step_fn(
     ``_with_cpp_wrapper``). The update graph does not get it: its single kernel with a
     few hundred arguments compiles more slowly inside a C++ wrapper. Measurements:
     docs/design.md, "Compile time".
+
+    ``static_state``: before each call, mark the tensors of the arguments a donating
+    step keeps from call to call (``fasttorch.donation.kept_leaves``: the state, the
+    accumulation window) as static addresses, without a guard. CUDA graphs then accept
+    the graph's writes into them instead of skipping it ("mutated inputs"), and read
+    them in place instead of copying them in.
     """
     if isinstance(options.get("options"), dict):
         # torch.compile pops entries (guard_filter_fn) from this dict: one per kernel.
@@ -314,6 +399,10 @@ def compile_step_fn(
             if cpp_wrapper_on_cpu and _only_on_cpu((args, kwargs)):
                 opts = _with_cpp_wrapper(opts)
             compiled_fn = torch.compile(own_code(fn), **opts)
+            if uses_cudagraphs(opts) and not _on_cpu((args, kwargs)):
+                return _first_graph_call(compiled_fn, fn, args, kwargs, static_state)
+        if static_state:
+            _compat.mark_static_addresses(kept_leaves(args))
         with _compat.tracing_autograd_ops():
             try:
                 return compiled_fn(*args, **kwargs)
@@ -336,6 +425,31 @@ def compile_step_fn(
                 return compiled_fn(*args, **kwargs)
 
     return run
+
+
+def _first_graph_call(
+    compiled_fn: Callable[..., Any],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    static_state: bool,
+) -> Any:
+    """The first call under CUDA graphs, saying once in plain words if inductor skipped them."""
+    if static_state:
+        _compat.mark_static_addresses(kept_leaves(args))
+    before = _compat.cudagraph_skips()
+    with _compat.tracing_autograd_ops():
+        out = compiled_fn(*args, **kwargs)
+    if _compat.cudagraph_skips() > before:
+        name = getattr(getattr(fn, "func", fn), "__name__", "fn").lstrip("_")
+        warn_once(
+            f"compiled: CUDA graphs do not capture the step's {name!r} graph, which runs as "
+            "compiled kernels launched one by one. Typical causes: a state that is not "
+            "donated, a torch optimizer with no capturable form, FSDP2's hooks, a tensor "
+            "on the CPU. fasttorch.testing.check_cudagraphs(step, state, batches) lists "
+            "every reason, on any device; inductor's log line gives the first one"
+        )
+    return out
 
 
 def _separate_build_is_ours(options: dict[str, Any], opts: dict[str, Any]) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.utils._pytree as pytree
@@ -54,6 +54,10 @@ class AccumState(struct.Record):
     # Parameters no microbatch so far reached (None: no microbatch yet); a parameter
     # used by any microbatch of the window is updated, as torch.optim sees its .grad.
     unused: frozenset[str] | None = struct.field(static=True, default=None)
+
+    # Donated windows are zeroed and refilled in place (commit): the same tensors on
+    # every call, as the scratch window of accumulation within a call.
+    kept_across_calls: ClassVar[bool] = True
 
     def zeroed(self) -> AccumState:
         """A fresh, empty window shaped as this one."""
