@@ -11,6 +11,7 @@ from fasttorch import (
     testing,
     transforms,
 )
+from fasttorch._recompiles import RecompileLimitError, RecompileWarning
 from fasttorch.data import prefetch
 from fasttorch.distributed.sync_on_last import sync_on_last
 from fasttorch.evaluation import eval_step
@@ -23,6 +24,8 @@ __all__ = [
     "DonatedStateError",
     "GradOut",
     "Loss",
+    "RecompileLimitError",
+    "RecompileWarning",
     "Step",
     "TrainState",
     "checkpoint",
