@@ -127,7 +127,10 @@ def child(kind: str, layers: int, smoke: bool, cache: str | None) -> dict[str, A
 
 
 def _spawn(kind: str, layers: int, smoke: bool, cache: str | None, own: str) -> dict[str, Any]:
+    # One torch thread and passive OpenMP waits: on shared cores a spinning thread
+    # stalls every kernel, and compile time is single-threaded Python and C++ builds.
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": own, "PYTHONPATH": str(ROOT)}
+    env |= {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     cmd = [sys.executable, "-m", "benchmarks.compile_time", "--child", kind]
     cmd += ["--layers", str(layers), "--cache", cache or ""] + (["--smoke"] if smoke else [])
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, cwd=ROOT)
@@ -223,7 +226,7 @@ def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- machine: {cpu}; {os.cpu_count()} logical CPUs visible; no GPU; shared with "
         "other work while it ran (compile times are noisy; the ratios, taken within a "
-        "round, less so)",
+        "round, less so); each run with OMP_NUM_THREADS=1, OMP_WAIT_POLICY=PASSIVE",
         f"- torch {torch.__version__}; Python {platform.python_version()}",
         f"- command: `python -m benchmarks.compile_time{' --smoke' if args.smoke else ''} "
         f"--rounds {args.rounds} --layers {args.layers}`; wall time {wall / 60:.1f} min",
