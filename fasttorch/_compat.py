@@ -372,7 +372,10 @@ def recompile_budget(limit: int) -> contextlib.AbstractContextManager[Any]:
     changes: dict[str, Any] = {}
     if hasattr(config, "recompile_limit"):
         changes["recompile_limit"] = limit
-    if hasattr(config, "fail_on_recompile_limit_hit"):
+    # suppress_errors (the user asked for eager fallbacks) may not be combined with it.
+    if hasattr(config, "fail_on_recompile_limit_hit") and not getattr(
+        config, "suppress_errors", False
+    ):
         changes["fail_on_recompile_limit_hit"] = True
     return config.patch(**changes) if changes else contextlib.nullcontext()  # type: ignore[no-any-return]
 
