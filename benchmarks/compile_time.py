@@ -190,6 +190,8 @@ def table(rows: list[dict[str, Any]], depths: tuple[int, int]) -> str:
             )
 
     def ratio(a: tuple[str, int], b: tuple[str, int]) -> str:
+        if not get(*a, "first") or not get(*b, "first"):  # type: ignore[arg-type]
+            return "not measured"
         xs = [
             x / y
             for x, y in zip(get(*a, "first"), get(*b, "first"), strict=True)  # type: ignore[arg-type]
@@ -226,10 +228,12 @@ def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         f"- machine: {cpu}; {os.cpu_count()} logical CPUs visible; no GPU; shared with "
         "other work while it ran (compile times are noisy; the ratios, taken within a "
-        "round, less so); each run with OMP_NUM_THREADS=1, OMP_WAIT_POLICY=PASSIVE",
+        "round, less so); each run with OMP_NUM_THREADS=1, OMP_WAIT_POLICY=PASSIVE; "
+        f"load average when written {os.getloadavg()[0]:.1f}",
         f"- torch {torch.__version__}; Python {platform.python_version()}",
         f"- command: `python -m benchmarks.compile_time{' --smoke' if args.smoke else ''} "
-        f"--rounds {args.rounds} --layers {args.layers}`; wall time {wall / 60:.1f} min",
+        f"--rounds {args.rounds} --layers {args.layers}`"
+        + ("" if args.from_json else f"; wall time {wall / 60:.1f} min"),
         "",
         "Each run is a fresh process with a fresh `TORCHINDUCTOR_CACHE_DIR` (cold; it "
         "includes inductor's one-time probe of the C++ compiler's vector instruction "
@@ -246,7 +250,7 @@ def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
     ]
     if args.smoke:
         head.append('Smoke run: tiny sizes and `backend="aot_eager"`; the numbers mean nothing.\n')
-    path.write_text("\n".join(head) + body + "\n")
+    path.write_text("\n".join(head) + "\n" + body + "\n")
 
 
 def main() -> None:
@@ -257,6 +261,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--json")
+    p.add_argument("--from-json", help="rewrite the document from a run's --json rows")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks_compile.md"))
     args = p.parse_args()
     if args.child:
@@ -267,7 +272,10 @@ def main() -> None:
     if args.smoke:
         lo, hi = min(lo, 1), min(hi, 2)
     t0 = time.perf_counter()
-    rows = measure((lo, hi), args.rounds, args.smoke)
+    if args.from_json:
+        rows = json.loads(Path(args.from_json).read_text())
+    else:
+        rows = measure((lo, hi), args.rounds, args.smoke)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     write(Path(args.out), table(rows, (lo, hi)), args, time.perf_counter() - t0)
