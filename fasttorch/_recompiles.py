@@ -97,7 +97,7 @@ class Recompiles:
 
 def _caller_level() -> int:
     """``warnings.warn``'s stacklevel for the first frame outside fasttorch and torch."""
-    inside = (os.path.dirname(os.path.dirname(__file__)), os.path.dirname(torch.__file__))
+    inside = (os.path.dirname(__file__) + os.sep, os.path.dirname(torch.__file__) + os.sep)
     frame, level = sys._getframe(1), 1
     while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1
@@ -131,7 +131,8 @@ _LEN = re.compile(r"len\(([\w\[\]'.]+)\) ==")
 
 _SHAPE_FIX = (
     "Give every call the same shapes: drop the last, smaller batch of an epoch "
-    "(DataLoader(..., drop_last=True)) or pad it; where sizes really vary, mark the "
+    "(DataLoader(..., drop_last=True)) or pad it, and under grad_accumulate give a batch "
+    "size that the number of microbatches divides; where sizes really vary, mark the "
     "dimension dynamic (torch._dynamo.mark_dynamic(x, dim) on the batch before the call, "
     "or compiled(..., dynamic=True)). Dynamo makes a dimension dynamic by itself after "
     "its first change, so one such recompile per dimension is expected"

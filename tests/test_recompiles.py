@@ -43,7 +43,9 @@ def _run(model: torch.nn.Module, sizes: list[int], **compile_kwargs) -> list[str
         warnings.simplefilter("always")
         for n in sizes:
             state, _ = step(state, _batch(n))
-    return [str(w.message) for w in caught if issubclass(w.category, fasttorch.RecompileWarning)]
+    mine = [w for w in caught if issubclass(w.category, fasttorch.RecompileWarning)]
+    assert all(w.filename == __file__ for w in mine), "points at the caller's line"
+    return [str(w.message) for w in mine]
 
 
 def test_model_that_sets_its_config_on_the_first_call_is_reported_once():
