@@ -604,6 +604,10 @@ def render(
         "|---|---|",
         *(f"| {k} | {d}{' (GPU only)' if k in GPU_ONLY else ''} |" for k, d in VARIANTS.items()),
         "",
+        "Compile time (cold, warm start and depth scaling, against `torch.compile(model)`): "
+        "[Benchmarks: compile time](benchmarks_compile.md), written by "
+        "`python -m benchmarks.compile_time`.",
+        "",
     ]
     rows = targets(results, gpu)
     if rows:

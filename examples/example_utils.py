@@ -49,7 +49,9 @@ class Bar(Progress):
         t0, n0 = self.since
         self.since = (now, done)
         if first_step_s is not None:
-            speed = f"first step {first_step_s:.1f} s" + (" (compiles)" if self.compiles else "")
+            speed = f"first step {first_step_s:.1f} s" + (
+                " (compile time included)" if self.compiles else ""
+            )
         else:
             speed = f"{(done - n0) / (now - t0) if now > t0 else math.inf:.2f} steps/s"
         parts = [

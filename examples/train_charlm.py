@@ -787,7 +787,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         + f" | skipped steps {history['skipped']}"
     )
     say(
-        f"wall {wall_s:.1f} s | first step {compile_s:.1f} s | {steps_per_s:.2f} steps/s, "
+        f"wall {wall_s:.1f} s | first step {compile_s:.1f} s"
+        f"{' (compile time included)' if compile else ''} | {steps_per_s:.2f} steps/s, "
         f"{tokens_per_s:,.0f} tokens/s after it ({steady_steps} steps in {steady_s:.1f} s; "
         f"eval {eval_s:.1f} s) | peak mem {peak / 2**30:.2f} GiB"
     )

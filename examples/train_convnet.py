@@ -381,7 +381,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"skipped steps {summary['skipped_steps']}"
     )
     print(
-        f"wall {wall_s:.1f} s | first step {compile_s:.1f} s | {steps_per_s:.2f} steps/s, "
+        f"wall {wall_s:.1f} s | first step {compile_s:.1f} s"
+        f"{' (compile time included)' if compile else ''} | {steps_per_s:.2f} steps/s, "
         f"{summary['images_per_s']:,.0f} images/s after it | peak mem {peak / 2**30:.2f} GiB"
     )
     out = Path(args.out)

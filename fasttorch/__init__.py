@@ -13,6 +13,7 @@ from fasttorch import (
     testing,
     transforms,
 )
+from fasttorch._recompiles import RecompileLimitError, RecompileWarning
 from fasttorch.data import prefetch
 from fasttorch.distributed.sync_on_last import sync_on_last
 from fasttorch.evaluation import eval_step
@@ -25,6 +26,8 @@ __all__ = [
     "DonatedStateError",
     "GradOut",
     "Loss",
+    "RecompileLimitError",
+    "RecompileWarning",
     "Step",
     "TrainState",
     "checkpoint",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import pickle
 import threading
 import types
@@ -606,3 +607,131 @@ def cudagraph_check_backend(
         inference_compiler=compiler("inference"),
         keep_inference_input_mutations=True,
     )
+
+
+# --------------------------------------------------------------------------- compile time
+# Recompile reports, the recompile budget and warm starts (fasttorch/_recompiles.py,
+# fasttorch/compile_cache.py).
+
+
+def guard_failures(code: Any) -> list[str] | None:
+    """The guard-failure reasons dynamo recorded for ``code``, oldest first.
+
+    Why: ``compiled`` reports each recompile of a step's function in plain words, and
+    ``torch.compile`` takes no guard-failure callback (``guard_fail_fn`` is an argument
+    of the private ``torch._dynamo.optimize`` only). On every recompile dynamo appends
+    one reason per existing compiled version, newest first, to
+    ``torch._dynamo.utils.guard_failures[code]`` (``torch/_dynamo/guards.py``,
+    ``get_guard_fail_reason``), whatever the logging settings. ``None`` where that
+    record is gone: recompiles are then not reported (``compiled`` warns once).
+    """
+    utils = getattr(torch._dynamo, "utils", None)
+    record = getattr(utils, "guard_failures", None)
+    if not isinstance(record, dict):
+        return None
+    reasons = record.get(code)  # .get: never add a key to the defaultdict
+    return [str(r) for r in reasons] if reasons else []
+
+
+def recompile_budget(limit: int) -> contextlib.AbstractContextManager[Any]:
+    """Dynamo's recompile limit set to ``limit``, and a hard error when it is hit.
+
+    Why: past ``torch._dynamo.config.recompile_limit`` dynamo runs a function eagerly
+    without a word unless ``fullgraph=True`` or ``fail_on_recompile_limit_hit`` is set
+    (``torch/_dynamo/convert_frame.py``, "Dynamo recompile limit exceeded"); ``compiled``
+    turns the hard error into its own :class:`fasttorch.RecompileLimitError`. Options
+    missing from a release are left out (``recompile_budget_enforced`` says so).
+    """
+    config = torch._dynamo.config
+    changes: dict[str, Any] = {}
+    if hasattr(config, "recompile_limit"):
+        changes["recompile_limit"] = limit
+    # suppress_errors (the user asked for eager fallbacks) may not be combined with it.
+    if hasattr(config, "fail_on_recompile_limit_hit") and not getattr(
+        config, "suppress_errors", False
+    ):
+        changes["fail_on_recompile_limit_hit"] = True
+    return config.patch(**changes) if changes else contextlib.nullcontext()  # type: ignore[no-any-return]
+
+
+def recompile_budget_enforced() -> bool:
+    """Whether this dynamo has both options :func:`recompile_budget` sets."""
+    config = torch._dynamo.config
+    return hasattr(config, "recompile_limit") and hasattr(config, "fail_on_recompile_limit_hit")
+
+
+def recompile_limit_hit(err: BaseException) -> bool:
+    """Whether ``err`` (or a cause) is dynamo's ``FailOnRecompileLimitHit``.
+
+    Why: ``compiled`` re-raises it with the step's recompile history; the class lives in
+    ``torch._dynamo.exc`` (matched by name where it moved).
+    """
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        if type(e).__name__ == "FailOnRecompileLimitHit":
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def use_inductor_cache_dir(path: str) -> None:
+    """Point inductor's on-disk caches (FX graphs, AOT autograd, kernels) at ``path``.
+
+    Why: inductor has one cache directory per process, read from
+    ``TORCHINDUCTOR_CACHE_DIR`` when it first needs it and memoized in
+    ``functools`` caches it registers (``torch/_inductor/runtime/cache_dir_utils.py``
+    ``temporary_cache_dir`` clears them the same way, ``torch._inductor.utils.clear_caches``).
+    Setting the variable after a compile would otherwise reach only part of inductor.
+    """
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    try:
+        from torch._inductor.utils import clear_caches
+    except ImportError:  # pragma: no cover - every supported release has it
+        return
+    clear_caches()
+
+
+def inductor_caches_disabled() -> str | None:
+    """Which of inductor's persistent caches is switched off in this process, if any.
+
+    Why: ``compiled(..., cache_dir=)`` warms a later process only through inductor's FX
+    graph cache and AOT autograd's cache (``torch._inductor.config.fx_graph_cache``,
+    ``force_disable_caches``; ``torch._functorch.config.enable_autograd_cache``).
+    """
+    from torch._inductor import config as inductor
+
+    if getattr(inductor, "force_disable_caches", False):
+        return "torch._inductor.config.force_disable_caches"
+    if not getattr(inductor, "fx_graph_cache", True):
+        return "torch._inductor.config.fx_graph_cache"
+    functorch = importlib.import_module("torch._functorch.config")
+    if not getattr(functorch, "enable_autograd_cache", True):
+        return "torch._functorch.config.enable_autograd_cache"
+    return None
+
+
+def inductor_cache_counts() -> dict[str, int]:
+    """Inductor's FX graph cache hits and misses in this process (``counters["inductor"]``).
+
+    Why: the warm-start test and benchmark count a process's code generation: a miss
+    is a graph inductor compiled, a hit one it loaded (``torch/_inductor/codecache.py``).
+    """
+    c = torch._dynamo.utils.counters["inductor"]
+    return {"hit": int(c["fxgraph_cache_hit"]), "miss": int(c["fxgraph_cache_miss"])}
+
+
+def compile_phase_seconds() -> dict[str, float]:
+    """Seconds this process spent in dynamo's tracing and in the compiler backend.
+
+    Why: the compile-time benchmark reports dynamo's share of a cold compile, which
+    fasttorch's own Python (records, functional_call, the optimizer) drives;
+    ``torch._dynamo.utils.compilation_time_metrics`` records ``_compile.compile_inner``
+    (a frame's whole compile) and ``OutputGraph.call_user_compiler`` (the backend's
+    part of it). Zeros where the record is gone.
+    """
+    metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", {})
+    whole = sum(metrics.get("_compile.compile_inner", []))
+    backend = sum(metrics.get("OutputGraph.call_user_compiler", []))
+    return {"dynamo": max(0.0, whole - backend), "backend": backend}

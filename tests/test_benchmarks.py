@@ -376,3 +376,52 @@ def test_m4_is_a_channels_last_resnet_and_its_steps_agree_on_cpu():
     # Rule 3: a mean of 4 positive losses (3 additions, 1 division) is within gamma(4)
     # relative of the exact mean in any order; two orders, twice that.
     assert losses[0] == pytest.approx(losses[1], rel=2 * gamma(4), abs=0)
+
+
+def test_compile_time_table_ratios_are_per_round_medians():
+    from benchmarks.compile_time import table
+
+    def row(r, kind, layers, first):
+        x = {"round": r, "kind": kind, "layers": layers, "first": first, "step": 0.01}
+        return {**x, "dynamo": 1.0, "backend": 2.0, "hit": 0, "miss": 2}
+
+    rows = [
+        *(row(0, k, n, f) for k, n, f in [("model", 2, 10), ("step", 2, 20), ("model", 4, 12)]),
+        *(row(0, k, n, f) for k, n, f in [("step", 4, 22), ("warm", 2, 3)]),
+        *(row(1, k, n, f) for k, n, f in [("model", 2, 10), ("step", 2, 10), ("model", 4, 12)]),
+        *(row(1, k, n, f) for k, n, f in [("step", 4, 11), ("warm", 2, 4)]),
+    ]
+    text = table(rows, (2, 4))
+    # step/model at 2 layers: rounds 2.0 and 1.0 -> median 1.5; 4/2 layers: 1.1 and 1.1.
+    assert (
+        "| cold compile, whole step / `torch.compile(model)`, 2 layers | 1.50 [1.00-2.00] |" in text
+    )
+    assert "| cold compile, whole step, 4 / 2 layers | 1.10 [1.10-1.10] |" in text
+    assert "| warm start (s), 2 layers, new process, `cache_dir` | 3.5 |" in text
+
+
+def test_compile_time_smoke_run_writes_the_document(tmp_path):
+    """``python -m benchmarks.compile_time --smoke``: every run measured, table written."""
+    out, raw = tmp_path / "compile.md", tmp_path / "raw.json"
+    more = ["--json", str(raw)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.compile_time", "--smoke", "--out", str(out), *more],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(raw.read_text())
+    assert sorted((r["kind"], r["layers"]) for r in rows) == [
+        ("model", 1),
+        ("model", 2),
+        ("step", 1),
+        ("step", 2),
+        ("warm", 1),
+    ]
+    assert all(r["first"] > 0 and r["dynamo"] > 0 for r in rows)
+    text = out.read_text()
+    assert "do not edit by hand" in text and "Smoke run" in text
+    assert "cold compile, whole step / `torch.compile(model)`" in text

@@ -322,7 +322,9 @@ def test_transform_configs_and_states_have_working_reprs():
 
     rule = DynamicLossScale(2.0**16, 2.0, 0.5, 2000)
     assert repr(rule).startswith("DynamicLossScale(init_scale=65536.0")
-    assert repr(Compiler({"backend": "aot_eager"})) == "Compiler(options={'backend': 'aot_eager'})"
+    assert repr(Compiler({"backend": "aot_eager"})) == (
+        "Compiler(options={'backend': 'aot_eager'}, static_state=False)"
+    )
     assert repr(SyncConfig()).startswith("SyncConfig(")
     step = fasttorch.with_amp(fasttorch.ema(fasttorch.step(mse), 0.9), "fp16")
     state = step.init(_state())

@@ -23,6 +23,8 @@ import torch
 import torch.utils._pytree as pytree
 
 from fasttorch import _checks, _compat
+from fasttorch._compile_cache import check_cache_dir, use_cache_dir
+from fasttorch._recompiles import DEFAULT_LIMIT, Recompiles
 from fasttorch.donation import kept_leaves
 from fasttorch.phases import Batch, Metrics
 from fasttorch.state import TrainState, is_sharded
@@ -60,6 +62,8 @@ def compiled(
     backend: str | Callable[..., Any] = "inductor",
     options: dict[str, Any] | None = None,
     cpu_gemm: CpuGemm = "auto",
+    recompile_limit: int = DEFAULT_LIMIT,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> Step: ...
 
 
@@ -73,6 +77,8 @@ def compiled(
     backend: str | Callable[..., Any] = "inductor",
     options: dict[str, Any] | None = None,
     cpu_gemm: CpuGemm = "auto",
+    recompile_limit: int = DEFAULT_LIMIT,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> _Fn: ...
 
 
@@ -85,6 +91,8 @@ def compiled(
     backend: str | Callable[..., Any] = "inductor",
     options: dict[str, Any] | None = None,
     cpu_gemm: CpuGemm = "auto",
+    recompile_limit: int = DEFAULT_LIMIT,
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> Any:
     """Compile the whole step: forward, backward, loss scaling, clipping and update.
 
@@ -137,6 +145,18 @@ def compiled(
             ``backend="aot_eager"`` checks graph capture without code generation.
         cpu_gemm: ``"auto"``, ``"fp32"`` or ``"native"``: how bf16/fp16 matrix
             products and attention on CPU tensors are computed (see above).
+        recompile_limit: the most compiled versions of each of the step's functions
+            (the first compile included; torch.compile's default, 8). Each recompile
+            is reported once as a :class:`fasttorch.RecompileWarning` saying which
+            guard failed, in words, and how to avoid it; one more than the budget
+            raises :class:`fasttorch.RecompileLimitError` where torch.compile would run
+            the function eagerly without a word (docs/transforms.md, "Recompiles").
+        cache_dir: a directory for inductor's caches of compiled graphs (created if
+            missing), made this process's ``TORCHINDUCTOR_CACHE_DIR`` on the first
+            call: a later process, a restarted job or every ``torchrun`` rank naming the
+            same directory loads the first one's compiled graphs instead of generating
+            code again (docs/transforms.md, "Warm starts"). It holds compiled code that
+            later processes run: name only a directory you trust.
 
     Raises:
         ValueError: CUDA graphs asked for a step built with ``donate=False``.
@@ -152,7 +172,16 @@ def compiled(
         1
     """
     _check_arguments(mode, backend, fullgraph, dynamic)
+    if isinstance(recompile_limit, bool) or not isinstance(recompile_limit, int):
+        raise TypeError(f"compiled: recompile_limit must be an int >= 1, got {recompile_limit!r}")
+    if recompile_limit < 1:
+        raise ValueError(
+            f"compiled: recompile_limit={recompile_limit}; it counts compiled versions of "
+            "each function, the first compile included, so it must be >= 1"
+        )
     opts: dict[str, Any] = {"fullgraph": fullgraph, "dynamic": dynamic, "backend": backend}
+    opts["recompile_limit"] = recompile_limit
+    opts["cache_dir"] = check_cache_dir(cache_dir, backend)
     if mode is not None:
         opts["mode"] = mode
     options = _with_cpu_gemm(options, cpu_gemm, backend)
@@ -383,14 +412,20 @@ def compile_step_fn(
     if isinstance(options.get("options"), dict):
         # torch.compile pops entries (guard_filter_fn) from this dict: one per kernel.
         options = {**options, "options": dict(options["options"])}
+    options = dict(options)
+    limit = options.pop("recompile_limit", DEFAULT_LIMIT)
+    cache = options.pop("cache_dir", None)
     compiled_fn: Callable[..., Any] | None = None
     opts: dict[str, Any] = options
+    recompiles: Recompiles | None = None
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        nonlocal compiled_fn, opts
+        nonlocal compiled_fn, opts, recompiles
         if compiled_fn is None:  # on the first call, when the tensors' devices are known
             _check_optimizers(args)
+            if cache is not None:
+                use_cache_dir(cache)
             opts = _without_cpu_only_passes(options, (args, kwargs))
             if _on_cpu((args, kwargs)):
                 _check_isa_cache()
@@ -398,15 +433,21 @@ def compile_step_fn(
             opts = _with_fusion_cap(opts)
             if cpp_wrapper_on_cpu and _only_on_cpu((args, kwargs)):
                 opts = _with_cpp_wrapper(opts)
-            compiled_fn = torch.compile(own_code(fn), **opts)
+            compiled_fn, recompiles = _watched(fn, opts, limit)
             if uses_cudagraphs(opts) and not _on_cpu((args, kwargs)):
-                return _first_graph_call(compiled_fn, fn, args, kwargs, static_state)
+                with _compat.recompile_budget(limit):
+                    return _first_graph_call(compiled_fn, fn, args, kwargs, static_state)
         if static_state:
             _compat.mark_static_addresses(kept_leaves(args))
-        with _compat.tracing_autograd_ops():
+        with _compat.tracing_autograd_ops(), _compat.recompile_budget(limit):
             try:
-                return compiled_fn(*args, **kwargs)
+                out = compiled_fn(*args, **kwargs)
+                if recompiles is not None:
+                    recompiles.check(args)
+                return out
             except Exception as err:
+                if recompiles is not None and _compat.recompile_limit_hit(err):
+                    raise recompiles.limit_error(err) from err
                 error = _compat.cpp_compile_error(err)
                 if error is None or not _separate_build_is_ours(options, opts):
                     raise
@@ -421,7 +462,7 @@ def compile_step_fn(
                 )
                 inner = {**opts["options"], "cpp_wrapper_build_separate": False}
                 opts = {**opts, "options": inner}
-                compiled_fn = torch.compile(own_code(fn), **opts)
+                compiled_fn, recompiles = _watched(fn, opts, limit)
                 return compiled_fn(*args, **kwargs)
 
     return run
@@ -450,6 +491,35 @@ def _first_graph_call(
             "every reason, on any device; inductor's log line gives the first one"
         )
     return out
+
+
+def _watched(
+    fn: Callable[..., Any], opts: dict[str, Any], limit: int
+) -> tuple[Callable[..., Any], Recompiles]:
+    """``torch.compile`` of ``fn``'s own code, with the record of its recompiles."""
+    mine = own_code(fn)
+    code = getattr(mine, "__func__", mine).__code__
+    name = _describe(fn)
+    if _compat.guard_failures(code) is None or not _compat.recompile_budget_enforced():
+        warn_once(
+            f"compiled: torch {torch.__version__} keeps no record of guard failures or "
+            "has no hard recompile limit (torch._dynamo.utils.guard_failures, "
+            "config.fail_on_recompile_limit_hit): recompiles of a compiled step are not "
+            "reported; run with TORCH_LOGS=recompiles to see them"
+        )
+    return torch.compile(mine, **opts), Recompiles(name, limit, code)
+
+
+def _describe(fn: Callable[..., Any]) -> str:
+    """``fn`` as a recompile report names it: its step and function, where known."""
+    bound: tuple[Any, ...] = ()
+    if isinstance(fn, functools.partial):
+        bound, fn = fn.args, fn.func
+    name = getattr(fn, "__name__", type(fn).__name__).lstrip("_")
+    owner = getattr(bound[0], "name", None) if bound else None
+    if isinstance(owner, str):
+        return f"step {owner!r} (its function {name!r})"
+    return f"function {name!r}"
 
 
 def _separate_build_is_ours(options: dict[str, Any], opts: dict[str, Any]) -> bool:

@@ -1,0 +1,286 @@
+"""Compile time of the whole step against ``torch.compile(model)``: cold, warm, by depth.
+
+    python -m benchmarks.compile_time               # rewrites docs/benchmarks_compile.md
+    python -m benchmarks.compile_time --smoke       # tiny, aot_eager: checks the machinery
+
+Every measurement is the first step of a fresh process with a fresh
+``TORCHINDUCTOR_CACHE_DIR`` (cold), on the same GPT, batch and training step (bf16
+autocast, 4 microbatches, clip to norm 1, AdamW):
+
+* ``model``: the hand-written loop over ``torch.compile(model)`` (the backward compiles
+  at the first ``backward``);
+* ``step``: ``fasttorch.compiled`` of the whole step, with ``cache_dir=`` a directory of
+  its own;
+* ``warm``: ``step`` again in a new process with the previous ``step``'s ``cache_dir``
+  (its own ``TORCHINDUCTOR_CACHE_DIR`` fresh): a restarted job.
+
+Within a round the processes run one after the other, depths interleaved (``model`` and
+``step`` at each depth, then ``warm``), so load on the machine hits them alike; the
+table shows per-round ratios' medians. Dynamo's share of each first step (tracing
+fasttorch's and the model's Python) comes from ``_compat.compile_phase_seconds``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+ACCUM = 4
+
+
+def _gpt(layers: int, smoke: bool) -> Any:
+    from benchmarks.models import GPT
+
+    width = 32 if smoke else 64
+    return GPT(vocab=128, context=16 if smoke else 32, layers=layers, width=width, heads=4)
+
+
+def _batches(smoke: bool, n: int) -> list[Any]:
+    import torch
+
+    context = 16 if smoke else 32
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        seq = torch.randint(0, 128, (ACCUM * 4, context + 1), generator=g)
+        out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
+    return out
+
+
+def _loss(apply: Any, batch: Any) -> Any:
+    import torch.nn.functional as F
+
+    x, y = batch
+    logits = apply(x).float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _model_loop(model: Any, backend: str) -> Any:
+    """The hand-written loop over ``torch.compile(model)``: one call = one step."""
+    import torch
+
+    fast = torch.compile(model, backend=backend)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+    def run(batch: Any) -> None:
+        for x, y in zip(batch[0].chunk(ACCUM), batch[1].chunk(ACCUM), strict=True):
+            with torch.autocast("cpu", torch.bfloat16):
+                loss = _loss(fast, (x, y)) / ACCUM
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return run
+
+
+def _fasttorch_step(model: Any, backend: str, cache: str | None) -> Any:
+    import fasttorch
+
+    state = [fasttorch.TrainState.create(model, fasttorch.optim.adamw(1e-3, weight_decay=0.01))]
+    inner = fasttorch.with_amp(fasttorch.step(_loss), "bf16")
+    step = fasttorch.clip_scaled(fasttorch.grad_accumulate(inner, ACCUM), 1.0)
+    kwargs = {"cache_dir": cache} if backend == "inductor" else {}
+    fast = fasttorch.compiled(step, backend=backend, **kwargs)
+
+    def run(batch: Any) -> None:
+        state[0], _ = fast(state[0], batch)
+
+    return run
+
+
+def child(kind: str, layers: int, smoke: bool, cache: str | None) -> dict[str, Any]:
+    """One process's measurement: first step (compile) and median steady step, seconds."""
+    import torch
+
+    from fasttorch import _compat
+
+    torch.manual_seed(0)
+    backend = "aot_eager" if smoke else "inductor"
+    model = _gpt(layers, smoke)
+    run = _model_loop(model, backend) if kind == "model" else _fasttorch_step(model, backend, cache)
+    data = _batches(smoke, 2 if smoke else 4)
+    t0 = time.perf_counter()
+    run(data[0])
+    first = time.perf_counter() - t0
+    steady = []
+    for b in data[1:]:
+        t0 = time.perf_counter()
+        run(b)
+        steady.append(time.perf_counter() - t0)
+    return {
+        "first": first,
+        "step": statistics.median(steady),
+        **_compat.compile_phase_seconds(),
+        **_compat.inductor_cache_counts(),
+    }
+
+
+def _spawn(kind: str, layers: int, smoke: bool, cache: str | None, own: str) -> dict[str, Any]:
+    # One torch thread and passive OpenMP waits: on shared cores a spinning thread
+    # stalls every kernel, and compile time is single-threaded Python and C++ builds.
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": own, "PYTHONPATH": str(ROOT)}
+    env |= {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    cmd = [sys.executable, "-m", "benchmarks.compile_time", "--child", kind]
+    cmd += ["--layers", str(layers), "--cache", cache or ""] + (["--smoke"] if smoke else [])
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"{kind} {layers} layers failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def measure(depths: tuple[int, int], rounds: int, smoke: bool) -> list[dict[str, Any]]:
+    """Every round's runs: ``{"round", "kind", "layers", ...child's numbers}``."""
+    rows = []
+    for r in range(rounds):
+        with tempfile.TemporaryDirectory(prefix="fasttorch-compile-bench-") as tmp:
+            caches = {}
+            for layers in depths:
+                for kind in ("model", "step"):
+                    caches[layers] = os.path.join(tmp, f"cache-{layers}")
+                    own = os.path.join(tmp, f"own-{kind}-{layers}")
+                    res = _spawn(kind, layers, smoke, caches[layers], own)
+                    rows.append({"round": r, "kind": kind, "layers": layers, **res})
+                    print(json.dumps(rows[-1]), flush=True)
+            own = os.path.join(tmp, "own-warm")
+            res = _spawn("step", depths[0], smoke, caches[depths[0]], own)
+            rows.append({"round": r, "kind": "warm", "layers": depths[0], **res})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def table(rows: list[dict[str, Any]], depths: tuple[int, int]) -> str:
+    """The Markdown table: per-kind medians, then the ratios (medians of per-round ratios)."""
+
+    def get(kind: str, layers: int, key: str) -> list[float]:
+        return [x[key] for x in rows if x["kind"] == kind and x["layers"] == layers]
+
+    def med(xs: list[float]) -> str:
+        return f"{statistics.median(xs):.1f}" if xs else "–"
+
+    lo, hi = depths
+    lines = [
+        "| run | layers | first step (s) | dynamo (s) | backend (s) "
+        "| FX graphs generated / loaded | steady step (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for kind, label in (
+        ("model", "`torch.compile(model)`"),
+        ("step", "`fasttorch.compiled`"),
+        ("warm", "`fasttorch.compiled`, warm"),
+    ):
+        for layers in depths:
+            if not get(kind, layers, "first"):
+                continue
+            lines.append(
+                f"| {label} | {layers} | {med(get(kind, layers, 'first'))} | "
+                f"{med(get(kind, layers, 'dynamo'))} | {med(get(kind, layers, 'backend'))} | "
+                f"{med(get(kind, layers, 'miss'))} / {med(get(kind, layers, 'hit'))} | "
+                f"{statistics.median(get(kind, layers, 'step')) * 1e3:.1f} |"
+            )
+
+    def ratio(a: tuple[str, int], b: tuple[str, int]) -> str:
+        if not get(*a, "first") or not get(*b, "first"):  # type: ignore[arg-type]
+            return "not measured"
+        xs = [
+            x / y
+            for x, y in zip(get(*a, "first"), get(*b, "first"), strict=True)  # type: ignore[arg-type]
+        ]
+        return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
+
+    compile_model = "whole step / `torch.compile(model)`"
+    lines += [
+        "",
+        "| ratio (median [min-max] over rounds) | measured | target |",
+        "|---|---:|---:|",
+        f"| cold compile, {compile_model}, {lo} layers "
+        f"| {ratio(('step', lo), ('model', lo))} | <= 1.3 |",
+        f"| cold compile, {compile_model}, {hi} layers | {ratio(('step', hi), ('model', hi))} | |",
+        f"| cold compile, whole step, {hi} / {lo} layers "
+        f"| {ratio(('step', hi), ('step', lo))} | <= 1.2 |",
+        f"| cold compile, `torch.compile(model)`, {hi} / {lo} layers "
+        f"| {ratio(('model', hi), ('model', lo))} | |",
+        f"| warm start (s), {lo} layers, new process, `cache_dir` "
+        f"| {med(get('warm', lo, 'first'))} | <= 5 |",
+    ]
+    return "\n".join(lines)
+
+
+def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    head = [
+        "# Benchmarks: compile time",
+        "",
+        "<!-- Written by `python -m benchmarks.compile_time`; do not edit by hand. -->",
+        "",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"- machine: {cpu}; {os.cpu_count()} logical CPUs visible; no GPU; shared with "
+        "other work while it ran (compile times are noisy; the ratios, taken within a "
+        "round, less so); each run with OMP_NUM_THREADS=1, OMP_WAIT_POLICY=PASSIVE; "
+        f"load average when written {os.getloadavg()[0]:.1f}",
+        f"- torch {torch.__version__}; Python {platform.python_version()}",
+        f"- command: `python -m benchmarks.compile_time{' --smoke' if args.smoke else ''} "
+        f"--rounds {args.rounds} --layers {args.layers}`"
+        + ("" if args.from_json else f"; wall time {wall / 60:.1f} min"),
+        "",
+        "Each run is a fresh process with a fresh `TORCHINDUCTOR_CACHE_DIR` (cold; it "
+        "includes inductor's one-time probe of the C++ compiler's vector instruction "
+        "sets), training a GPT (width 64, 4 heads, context 32, vocab 128) on 16 sequences "
+        "a step as 4 microbatches under bf16 autocast, clipped to norm 1, with AdamW. "
+        "`torch.compile(model)`: the hand-written loop over the compiled model. "
+        "`fasttorch.compiled`: the whole step (forward, backward, accumulation, clip, "
+        "AdamW) in its two graphs. Warm: the same step in a new process given the first "
+        'one\'s `cache_dir` (docs/transforms.md, "Warm starts"). First step: the first '
+        "call's wall time, compile included; dynamo: tracing time in it "
+        "(`compile_inner` minus the backend); backend: AOT autograd and inductor inside "
+        "dynamo (the model's backward compiles outside it, at the first `backward`).",
+        "",
+    ]
+    if args.smoke:
+        head.append('Smoke run: tiny sizes and `backend="aot_eager"`; the numbers mean nothing.\n')
+    path.write_text("\n".join(head) + "\n" + body + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--child", choices=("model", "step"))
+    p.add_argument("--layers", default="12,24")
+    p.add_argument("--cache", default="")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--json")
+    p.add_argument("--from-json", help="rewrite the document from a run's --json rows")
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks_compile.md"))
+    args = p.parse_args()
+    if args.child:
+        res = child(args.child, int(args.layers), args.smoke, args.cache or None)
+        print(json.dumps(res))
+        return
+    lo, hi = (int(x) for x in args.layers.split(","))
+    if args.smoke:
+        lo, hi = min(lo, 1), min(hi, 2)
+    t0 = time.perf_counter()
+    if args.from_json:
+        rows = json.loads(Path(args.from_json).read_text())
+    else:
+        rows = measure((lo, hi), args.rounds, args.smoke)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    write(Path(args.out), table(rows, (lo, hi)), args, time.perf_counter() - t0)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
