@@ -180,15 +180,18 @@ def as_loss(out: Any, batch: Batch, name: str) -> Loss:
         )
     weight = loss.weight if loss.weight is not None else batch_size(batch)
     if not isinstance(weight, torch.Tensor):
-        # A Python number is checked here (a tensor's value cannot be without a sync).
-        w = _checks.real(
-            f"loss function {name!r}",
-            "Loss.weight",
-            weight,
-            low=0.0,
-            hint="It is the number of samples or tokens the mean loss is over.",
-        )
-        weight = constant(w, device=v.device)
+        # A Python number the user gave is checked here (a tensor's value cannot be without
+        # a sync); the batch's own size needs no check, and under dynamic shapes it is a
+        # symbolic int that only float() may read.
+        if loss.weight is not None and not isinstance(weight, (torch.SymInt, torch.SymFloat)):
+            weight = _checks.real(
+                f"loss function {name!r}",
+                "Loss.weight",
+                weight,
+                low=0.0,
+                hint="It is the number of samples or tokens the mean loss is over.",
+            )
+        weight = constant(float(weight), device=v.device)
     return Loss(v, weight.to(torch.float32), loss.aux, counted=loss.weight is not None)
 
 
