@@ -376,3 +376,21 @@ def test_m4_is_a_channels_last_resnet_and_its_steps_agree_on_cpu():
     # Rule 3: a mean of 4 positive losses (3 additions, 1 division) is within gamma(4)
     # relative of the exact mean in any order; two orders, twice that.
     assert losses[0] == pytest.approx(losses[1], rel=2 * gamma(4), abs=0)
+
+
+def test_population_smoke_writes_its_table(tmp_path):
+    out = tmp_path / "population.md"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.population", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
+    text = out.read_text()
+    assert "## mlp:" in text and "backend: none" in text
+    rows = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert len(rows) == 2
+    assert all(line.count("|") == 12 for line in rows)  # 11 columns: n, 3 rates, 2 ratios, ...
