@@ -277,6 +277,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--calls", type=int, default=10, help="timed calls per runner per round")
     p.add_argument("--backend", default="inductor", help="torch.compile's; none: eager")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: on shared, oversubscribed cores spinning OpenMP waiters "
+        "slow every small op several-fold; see benchmarks/README.md)",
+    )
     p.add_argument("--out", type=Path, default=OUT)
     p.add_argument("--smoke", action="store_true", help="tiny: n=1,2, MLP, eager")
     args = p.parse_args(argv)
@@ -288,6 +295,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    torch.set_num_threads(args.threads)
     results = []
     for model in args.models.split(","):
         for n in (int(x) for x in args.n.split(",")):
