@@ -37,6 +37,7 @@ __all__ = [
     "member",
     "member_dims",
     "member_state_dict",
+    "member_view",
     "population_size",
 ]
 
@@ -297,12 +298,20 @@ def member(state: TrainState, i: int) -> TrainState:
     n = population_size(state)
     if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
         raise IndexError(f"member: index {i!r} out of range for a population of {n}")
+    return member_view(state, i, copy=True)
+
+
+def member_view(state: TrainState, i: int, *, copy: bool = False) -> TrainState:
+    """Member ``i`` of ``state`` over views of its tensors (``copy``: over copies)."""
     subs = {k: v for k, v in state.substates.items() if k != KEY}
     bare = state.replace(substates=subs)
-    one: TrainState = pytree.tree_map(
-        lambda t, d: t.clone() if d is None else t[i].clone(), bare, member_dims(bare)
-    )
-    return one
+
+    def take(t: torch.Tensor, d: int | None) -> torch.Tensor:
+        one = t if d is None else t[i]
+        return one.clone() if copy else one
+
+    out: TrainState = pytree.tree_map(take, bare, member_dims(bare))
+    return out
 
 
 def member_state_dict(state: TrainState, i: int) -> dict[str, torch.Tensor]:

@@ -33,8 +33,8 @@ from fasttorch.population import (
     Members,
     check_module,
     check_optimizer,
-    member,
     member_dims,
+    member_view,
 )
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, apply_update, check_wrap
@@ -266,12 +266,12 @@ class _PerMember:
 
     def before(self, step: Step, state: TrainState) -> None:
         _check_state(state, self.n)
-        for i in range(self.n):
-            self.hook.before(step, member(state, i))
+        for i in range(self.n):  # views: a hook reads a counter or two, copies nothing
+            self.hook.before(step, member_view(state, i))
 
     def after(self, step: Step, new: TrainState) -> None:
         for i in range(self.n):
-            self.hook.after(step, member(new, i))
+            self.hook.after(step, member_view(new, i))
 
 
 class _PerTensor(TorchFunctionMode):
