@@ -567,6 +567,9 @@ def render(
         "",
         *(env if env is not None else environment(args, device)),
         f"- suite wall time: {total_s / 60:.1f} min",
+        "- populations, many models in one vmapped step: "
+        "[benchmarks_population.md](benchmarks_population.md) "
+        "(`python -m benchmarks.population`)",
         "",
         "Every variant trains the same model from the same initial weights on the same "
         "synthetic windows: one optimizer step = 4 microbatches, autocast, clip to norm 1, "

@@ -139,7 +139,16 @@ def loss_svg(
         f'<text transform="translate(16 {top + ph / 2}) rotate(-90)" text-anchor="middle">'
         f"{escape(ylabel)}</text>",
     ]
-    colors = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728")
+    colors = (
+        "#1f77b4",
+        "#ff7f0e",
+        "#2ca02c",
+        "#d62728",
+        "#9467bd",
+        "#8c564b",
+        "#e377c2",
+        "#7f7f7f",
+    )
     for i, (label, pts) in enumerate(curves.items()):
         color = colors[i % len(colors)]
         xy = [(sx(x), sy(y)) for x, y in pts if math.isfinite(y)]

@@ -17,6 +17,7 @@ from fasttorch._recompiles import RecompileLimitError, RecompileWarning
 from fasttorch.data import prefetch
 from fasttorch.distributed.sync_on_last import sync_on_last
 from fasttorch.evaluation import eval_step
+from fasttorch.population import create_population, member, member_state_dict, population_size
 from fasttorch.state import DonatedStateError, TrainState
 from fasttorch.steps import GradOut, Loss, Step, step
 from fasttorch.transforms import *  # noqa: F403 (every transform, listed once there)
@@ -31,11 +32,15 @@ __all__ = [
     "Step",
     "TrainState",
     "checkpoint",
+    "create_population",
     "data",
     "eval_step",
     "evaluation",
     "loop",
+    "member",
+    "member_state_dict",
     "optim",
+    "population_size",
     "prefetch",
     "schedules",
     "step",

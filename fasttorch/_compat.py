@@ -735,3 +735,43 @@ def compile_phase_seconds() -> dict[str, float]:
     whole = sum(metrics.get("_compile.compile_inner", []))
     backend = sum(metrics.get("OutputGraph.call_user_compiler", []))
     return {"dynamo": max(0.0, whole - backend), "backend": backend}
+
+
+# --------------------------------------------------------------------------- vmapped
+# (fasttorch.vmapped: populations under torch.func.vmap)
+
+_FOREACH_BATCHING: list[Any] = []  # the Library holding the rules, once registered
+
+
+def register_foreach_batching(per_tensor: Any) -> None:
+    """Give every ``aten::_foreach_*`` overload a vmap batching rule: ``per_tensor``.
+
+    Why: functorch has no batching rule, and no fallback, for the foreach kernels
+    ("Batching rule not implemented for aten::_foreach_mul.Scalar. We could not
+    generate a fallback"), which fasttorch's optimizers, clipping, accumulation and EMA
+    call; a population runs them under ``torch.func.vmap``. ``per_tensor(op, args,
+    kwargs)`` runs one as the per-tensor ops it stands for, which vmap batches. The
+    rule is registered at the ``FuncTorchBatched`` dispatch key (a key name, through
+    the public ``torch.library.Library``), so it applies in eager mode and while
+    ``torch.compile`` traces a vmapped function with fake tensors alike (a
+    ``TorchFunctionMode`` is not consulted there). It only adds rules where vmap had
+    none: foreach calls outside vmap are untouched. Upstream: functorch's
+    ``BatchRulesDecompositions.cpp`` lists no ``_foreach_*`` op (torch 2.10 to 2.13).
+    Registered once per process.
+    """
+    if _FOREACH_BATCHING:
+        return
+    lib = torch.library.Library("aten", "IMPL")  # type: ignore[no-untyped-call]
+    for name in dir(torch):
+        packet = getattr(torch.ops.aten, name, None) if name.startswith("_foreach_") else None
+        if packet is None:
+            continue
+        op = name.removeprefix("_foreach_")
+        for overload in packet.overloads():
+            qualified = name if overload == "default" else f"{name}.{overload}"
+
+            def rule(*args: Any, _op: str = op, **kwargs: Any) -> Any:
+                return per_tensor(_op, args, kwargs)
+
+            lib.impl(qualified, rule, "FuncTorchBatched")  # type: ignore[no-untyped-call]
+    _FOREACH_BATCHING.append(lib)

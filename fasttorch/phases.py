@@ -236,7 +236,7 @@ def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> G
     direct = None if compiling else module_tensors(state)
     if into is not None and direct is not None:
         return _grad_into_module(loss, state, direct, batch, mult, into)
-    if compiling and not _compat.AUTOGRAD_GRAD_IN_GRAPH:
+    if (compiling and not _compat.AUTOGRAD_GRAD_IN_GRAPH) or _functional_grads(state):
         return _grad_functional(loss, state, batch, mult)
     params: Tensors = (
         direct
@@ -261,6 +261,15 @@ def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> G
         counted=out.counted,
         unused=unused,
     )
+
+
+def _functional_grads(state: TrainState) -> bool:
+    """Whether a sub-state asks for ``torch.func.grad`` (a record's ``functional_grads``).
+
+    A population's members run under ``torch.func.vmap``, where ``torch.autograd.grad``
+    cannot run (it needs ``requires_grad_()`` on batched tensors).
+    """
+    return any(getattr(s, "functional_grads", False) for s in state.substates.values())
 
 
 def _grad_functional(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> GradOut:

@@ -425,3 +425,21 @@ def test_compile_time_smoke_run_writes_the_document(tmp_path):
     text = out.read_text()
     assert "do not edit by hand" in text and "Smoke run" in text
     assert "cold compile, whole step / `torch.compile(model)`" in text
+
+
+def test_population_smoke_writes_its_table(tmp_path):
+    out = tmp_path / "population.md"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.population", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        timeout=600,
+        capture_output=True,
+    )
+    text = out.read_text()
+    assert "## mlp:" in text and "backend: none" in text
+    rows = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert len(rows) == 2
+    assert all(line.count("|") == 12 for line in rows)  # 11 columns: n, 3 rates, 2 ratios, ...

@@ -11,6 +11,7 @@ from fasttorch.transforms.grad_accumulate import grad_accumulate
 from fasttorch.transforms.nonfinite import NonFiniteError, NonFiniteState, skip_nonfinite
 from fasttorch.transforms.profiled import Profiled, profiled
 from fasttorch.transforms.scale_loss import scale_loss
+from fasttorch.transforms.vmapped import vmapped, vmapped_eval
 from fasttorch.transforms.with_amp import LossScaleState, with_amp
 
 __all__ = [
@@ -26,5 +27,7 @@ __all__ = [
     "profiled",
     "scale_loss",
     "skip_nonfinite",
+    "vmapped",
+    "vmapped_eval",
     "with_amp",
 ]

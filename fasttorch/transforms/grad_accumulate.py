@@ -66,7 +66,14 @@ class AccumState(struct.Record):
 
 def empty_window(params: Mapping[str, torch.Tensor], device: torch.device) -> AccumState:
     """An empty window for gradients shaped as ``params``."""
-    zero = torch.zeros((), dtype=torch.float32, device=device)
+    first = next(iter(params.values()), None)
+    # new_zeros: under torch.func.vmap (fasttorch.vmapped) a zero per member, which the
+    # in-place sums of the window need; otherwise the same 0-d float32 zero.
+    zero = (
+        torch.zeros((), dtype=torch.float32, device=device)
+        if first is None
+        else first.new_zeros((), dtype=torch.float32)
+    )
     return AccumState(
         grads={k: torch.zeros_like(p) for k, p in params.items()},
         weight=zero,
