@@ -250,6 +250,17 @@ def _specs(device_type: str) -> dict[str, Spec]:
             sample=_images(16, 10),
         ),
         "M3": gpt,
+        # Not in the suite: GPT-2's 148 parameter tensors at toy sizes, for counting the
+        # operations of a step (benchmarks/launches.py), where the tensor count matters.
+        "M3x12": Spec(
+            "M3x12",
+            "GPT (12 layers, width 32, 2 heads, context 16, vocab 64): 148 tensors",
+            lambda: GPT(vocab=64, context=16, layers=12, width=32, heads=2),
+            micro=2,
+            sample=_tokens(64, 16),
+            tokens_per_sample=16,
+            gpt_shape=(12, 32, 16),
+        ),
         "M4": Spec(
             "M4",
             "ResNet-50 (BatchNorm, channels_last, 224x224 images, 1000 classes)"

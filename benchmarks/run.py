@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.sections import keep_section
 from benchmarks.stats import Summary, drifted_rounds, payback_steps, per_step, schedule, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -269,10 +270,25 @@ def run_round(
 
 
 def run_model(
-    args: argparse.Namespace, model: str, variants: list[str], precision: str, device: str
+    args: argparse.Namespace,
+    model: str,
+    variants: list[str],
+    precision: str,
+    device: str,
+    cache_root: Path | None = None,
 ) -> dict[str, Any]:
-    """All rounds of one model at one precision: raw results by round and variant."""
-    caches = {v: Path(tempfile.mkdtemp(prefix=f"ft-bench-{model}-{v}-")) for v in variants}
+    """All rounds of one model at one precision: raw results by round and variant.
+
+    Each variant compiles into a fresh inductor cache, removed afterwards; with
+    ``cache_root``, into ``cache_root/<model>-<precision>-<variant>``, kept (a later run
+    of the same command starts warm: benchmarks/gpu.py).
+    """
+    if cache_root is None:
+        caches = {v: Path(tempfile.mkdtemp(prefix=f"ft-bench-{model}-{v}-")) for v in variants}
+    else:
+        caches = {v: cache_root / f"{model}-{precision}-{v}" for v in variants}
+        for d in caches.values():
+            d.mkdir(parents=True, exist_ok=True)
     runs: dict[int, dict[str, dict[str, Any]]] = {}
     try:
         for r in range(args.rounds):
@@ -285,8 +301,9 @@ def run_model(
                 )
                 print(f"  {model} {precision} round {r} {v}: {status}", flush=True)
     finally:
-        for d in caches.values():
-            shutil.rmtree(d, ignore_errors=True)
+        if cache_root is None:
+            for d in caches.values():
+                shutil.rmtree(d, ignore_errors=True)
     return {"model": model, "precision": precision, "device": device, "runs": runs}
 
 
@@ -710,7 +727,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args, device)
     text = render(args, results, device, wall_s, env)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    args.out.write_text(keep_section(args.out, text))
     if args.json:
         raw = [{k: v for k, v in b.items() if k != "analysis"} for b in results]
         saved = {"device": device, "wall_s": wall_s, "environment": env, "results": raw}
@@ -737,7 +754,7 @@ def _rerender(args: argparse.Namespace) -> int:
     ]
     text = render(args, results, saved["device"], saved["wall_s"], env)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    args.out.write_text(keep_section(args.out, text))
     print(f"wrote {args.out} from {args.from_json}")
     return 0
 

@@ -75,8 +75,13 @@ def _dtype(precision: str) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[precision]
 
 
-def _adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    kind: dict[str, Any] = {"fused": True} if device.type == "cuda" else {"foreach": True}
+def _adamw(
+    model: torch.nn.Module, device: torch.device, fused: bool | None = None
+) -> torch.optim.Optimizer:
+    """torch's AdamW: fused on a GPU and foreach elsewhere, unless ``fused`` says."""
+    if fused is None:
+        fused = device.type == "cuda"
+    kind: dict[str, Any] = {"fused": True} if fused else {"foreach": True}
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, **kind)
 
 
@@ -90,10 +95,14 @@ def _ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def _stock(name: str, model_name: str, precision: str, device: torch.device) -> Variant:
-    """B0-B3: the loop from the AMP and accumulation guides, more or less compiled."""
+def _stock(
+    name: str, model_name: str, precision: str, device: torch.device, fused: bool | None = None
+) -> Variant:
+    """B0-B3: the loop from the AMP and accumulation guides, more or less compiled.
+
+    ``fused``: AdamW's kernel (default: fused on a GPU, foreach elsewhere)."""
     model = build(model_name, device)
-    opt = _adamw(model, device)
+    opt = _adamw(model, device, fused)
     dtype = _dtype(precision)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     forward: Callable[..., torch.Tensor] = model

@@ -775,3 +775,47 @@ def register_foreach_batching(per_tensor: Any) -> None:
 
             lib.impl(qualified, rule, "FuncTorchBatched")  # type: ignore[no-untyped-call]
     _FOREACH_BATCHING.append(lib)
+
+
+# ----------------------------------------------------------------- fused optimizer kernels
+
+
+_FUSED_KERNELS = {"adam": "_fused_adam_", "adamw": "_fused_adamw_", "sgd": "_fused_sgd_"}
+
+
+def fused_optimizer_kernel(name: str) -> Callable[..., Any] | None:
+    """torch's fused multi-tensor kernel of optimizer ``name`` ("adam", "adamw", "sgd").
+
+    Why: a donated eager step on a GPU should launch what ``torch.optim.AdamW(fused=True)``
+    launches, one kernel per dtype for the whole update, instead of a ``_foreach_*``
+    launch per operation. The kernels are private ATen ops (``torch._fused_adamw_``,
+    called by ``torch/optim/adam.py`` ``_fused_adam``), with a ``tensor_lr`` overload
+    (the learning rate read on the device, no host sync) and ``grad_scale`` /
+    ``found_inf`` (``GradScaler``'s unscale and skip inside the kernel). ``None`` where
+    this torch has no such op or overload.
+    """
+    packet = getattr(torch.ops.aten, _FUSED_KERNELS[name], None)
+    if packet is None or "tensor_lr" not in packet.overloads():
+        return None
+    return packet.tensor_lr  # type: ignore[no-any-return]
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The version counter of ``t``: it changes on every in-place write.
+
+    Why: the fused kernels take beta1, beta2, eps, weight_decay as host floats while
+    fasttorch keeps them as device tensors; a host copy of each is valid while the
+    tensor's version is the one it was read at (``Tensor._version``, the counter
+    autograd uses to detect in-place changes; no public equivalent).
+    """
+    return int(t._version)
+
+
+def amp_update_scale() -> Callable[..., Any] | None:
+    """``torch._amp_update_scale_``: GradScaler's scale and growth-tracker update, in place.
+
+    Why: fasttorch's loss scale follows GradScaler's rule; in a donated eager step one
+    launch of GradScaler's own kernel (``torch/amp/grad_scaler.py`` ``update``) replaces
+    about twenty 0-d operations. ``None`` where this torch lacks it.
+    """
+    return getattr(torch, "_amp_update_scale_", None)

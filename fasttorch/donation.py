@@ -32,8 +32,20 @@ def commit(donate: bool, old: Any, new: Any) -> Any:
     src: list[torch.Tensor] = []
     out = _reuse(old, new, dst, src, torch.compiler.is_compiling())
     if len(dst) > 0:
-        torch._foreach_copy_(dst, src)
+        _copy_by_dtype(dst, src)
     return out
+
+
+def _copy_by_dtype(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``_foreach_copy_`` once per dtype: on CUDA a list of mixed dtypes (a state's int64
+    counters beside its float32 tensors) is copied one launch per tensor."""
+    groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for d, s in zip(dst, src):
+        ds, ss = groups.setdefault(d.dtype, ([], []))
+        ds.append(d)
+        ss.append(s)
+    for ds, ss in groups.values():
+        torch._foreach_copy_(ds, ss)
 
 
 def _same(a: Any, b: Any, compiling: bool) -> bool:

@@ -561,24 +561,42 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
     the order it was applied in.
     """
     grads, norm = g.grads, unscaled_norm(g)
-    if g.scale is not None:
-        grads = scale_grads(grads, reciprocal(g.scale))
     opt = state.optimizer
+    eager_in_place = not torch.compiler.is_compiling() and _scope.current().in_place
+    # A fused kernel (fasttorch.optim's on a GPU) takes the loss scale and the skip flag
+    # itself, as with GradScaler: no copy of the old state, no select per tensor.
+    # Parameters the loss did not reach go through update_used's filter instead.
+    fused = (
+        getattr(opt, "fused_update", None)
+        if eager_in_place and g.skip is not None and not g.unused
+        else None
+    )
+    done = None
+    if fused is not None:
+        done = fused(
+            state.params, grads, state.opt_state, state.step, grad_scale=g.scale, found_inf=g.skip
+        )
+    if done is None and g.scale is not None:
+        grads = scale_grads(grads, reciprocal(g.scale))
     lr = opt.learning_rate(state.opt_state, state.step)
     # Eager and donating: update the state's tensors in place (fresh tensors cost more
     # than the arithmetic on CPU). Not when a skip must keep the old values around.
-    inplace = g.skip is None and not torch.compiler.is_compiling() and _scope.current().in_place
-    params, opt_state = update_used(
-        opt, state.params, grads, state.opt_state, state.step, unused=g.unused, inplace=inplace
-    )
+    inplace = g.skip is None and eager_in_place
+    if done is None:
+        params, opt_state = update_used(
+            opt, state.params, grads, state.opt_state, state.step, unused=g.unused, inplace=inplace
+        )
+    else:
+        params, opt_state = done
     buffers, substates = state.buffers, state.substates
     if g.skip is not None:
         keep = g.skip
-        params, opt_state = pytree.tree_map(
-            lambda old, new: torch.where(keep, old, new),
-            (state.params, state.opt_state),
-            (params, opt_state),
-        )
+        if done is None:
+            params, opt_state = pytree.tree_map(
+                lambda old, new: torch.where(keep, old, new),
+                (state.params, state.opt_state),
+                (params, opt_state),
+            )
         buffers, substates = _restore_buffers(state, keep)
     metrics: Metrics = {
         "loss": g.value,
@@ -595,7 +613,8 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         opt_state=opt_state,
         buffers=buffers,
         substates=substates,
-        step=state.step + 1,
+        # In place when donating eagerly: one launch, not an add and the commit's copy.
+        step=state.step.add_(1) if eager_in_place else state.step + 1,
     )
     return new, metrics
 

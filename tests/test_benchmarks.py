@@ -443,3 +443,78 @@ def test_population_smoke_writes_its_table(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
     assert len(rows) == 2
     assert all(line.count("|") == 12 for line in rows)  # 11 columns: n, 3 rates, 2 ratios, ...
+
+
+def _gpu_command(*args: str) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu", "--dry-run", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_gpu_command_dry_run_resumes_part_by_part(tmp_path):
+    """The GPU machine's one command, every piece on a CPU: three runs, each the next
+    part, resuming from its results file; the section lands between its markers in the
+    document and survives benchmarks.run rewriting the rest."""
+    from benchmarks.sections import BEGIN, END, keep_section
+
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nthe suite's tables\n")
+    cache = tmp_path / "cache"
+    common = ("--cache-dir", str(cache), "--out", str(doc))
+    left = []
+    for _ in range(3):
+        out = _gpu_command(*common).stdout
+        left.append(out.strip().splitlines()[-1])
+    assert left[0].endswith("parts left: [2, 3]") and left[1].endswith("parts left: [3]")
+    assert left[2].endswith("parts left: none")
+    saved = json.loads((cache / "dry-run-results.json").read_text())
+    assert set(saved["stages"]) == {
+        "tests",
+        "M3 bf16",
+        "M3 bf16 peers",
+        "M3 fp16",
+        "M3 fp16 peers",
+        "M3 bf16 kernels",
+        "M1 bf16",
+        "M2 bf16",
+        "M4 fp32",
+        "M4 bf16",
+    }
+    assert "collected" in saved["stages"]["tests"]["summary"]
+    assert saved["stages"]["M3 bf16"]["variants"] == ["B0", "F0"]
+    kernels = saved["stages"]["M3 bf16 kernels"]
+    assert set(kernels) == {"F0", "B0"} and all(isinstance(k, list) and k for k in kernels.values())
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nthe suite's tables")
+    assert text.count(BEGIN) == 1 and text.count(END) == 1
+    assert "DRY RUN on a CPU: the numbers mean nothing" in text
+    assert "| B0 |" in text and "Top kernels of F0" in text and "fp16: not run" in text
+    assert "parts run: part 1" in text and "part 3" in text
+    # A fourth run only rewrites the section; benchmarks.run keeps it.
+    assert "every part is done" in _gpu_command(*common).stdout
+    rewritten = keep_section(doc, "# Benchmarks\n\nnew tables\n")
+    assert "new tables" in rewritten and rewritten.count(BEGIN) == 1
+    assert "Top kernels of F0" in rewritten
+
+
+def test_launch_counts_hold_f0_to_b0():
+    """benchmarks.launches' counts on the suite's small GPT: fasttorch's eager step with a
+    CUDA step's kernel choice launches no more than the hand loop with torch's AdamW,
+    foreach or fused, in bf16 and in fp16 (GradScaler), and no foreach call of it runs
+    per tensor on CUDA."""
+    from benchmarks.launches import measure, render
+
+    results = measure(("bf16", "fp16"), "M3")
+    for precision, rows in results.items():
+        f0 = rows["F0"]
+        assert f0["slow"] == 0 and rows["F0 (CPU choice)"]["slow"] == 0
+        assert f0["launches"] <= rows["B0 fused"]["launches"], (precision, rows)
+        assert f0["launches"] <= rows["B0 foreach"]["launches"], (precision, rows)
+    assert "does NOT hold" not in render(results, "M3")

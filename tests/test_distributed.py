@@ -208,3 +208,54 @@ def test_setup_on_a_node_with_fewer_gpus_than_processes(monkeypatch):
         setup_mod._local_gpu(auto=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert setup_mod._local_gpu(auto=True) == torch.device("cuda", 1)
+
+
+class _FakeWork:
+    """A collective's Work that records how it was waited on (NCCL-like or gloo-like)."""
+
+    def __init__(self, completed: bool = True) -> None:
+        self.calls: list[tuple[str, tuple[object, ...]]] = []
+        self.completed = completed
+
+    def wait(self, *args: object) -> bool:
+        self.calls.append(("wait", args))
+        return True
+
+    def is_completed(self) -> bool:
+        self.calls.append(("is_completed", ()))
+        return self.completed
+
+
+def test_nccl_waits_order_the_stream_not_the_host(monkeypatch):
+    """On NCCL with GPU tensors the normal path calls work.wait() without a timeout (a
+    stream wait); with a timeout NCCL would block the host on every bucket."""
+    import datetime
+
+    from fasttorch.distributed import reducer
+
+    monkeypatch.setattr(reducer.dist, "get_backend", lambda group=None: "nccl")
+    config = reducer.SyncConfig()
+    works = [_FakeWork() for _ in range(3)]
+    for i, w in enumerate(works):
+        reducer.wait(w, config, f"gradient bucket {i}", device=torch.device("cuda", 0))
+    assert works[0].calls == [("wait", ()), ("is_completed", ())]  # checked by the 2nd
+    assert all(("wait", ()) in w.calls for w in works)
+    assert not any(args for w in works for name, args in w.calls if name == "wait")
+    # CPU tensors (gloo), or no device given: the host waits with the timeout, as before.
+    monkeypatch.setattr(reducer.dist, "get_backend", lambda group=None: "gloo")
+    w = _FakeWork()
+    reducer.wait(w, config, "the window's sample counts", device=torch.device("cpu"))
+    assert w.calls == [("wait", (config.timeout,))]
+    # A collective still running past the timeout is reported, with the same error, by
+    # the next wait, which does not block for it either.
+    monkeypatch.setattr(reducer.dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(reducer.dist, "get_rank", lambda group=None: 0)
+    late = reducer.SyncConfig(timeout=datetime.timedelta(seconds=0))
+    stuck = _FakeWork(completed=False)
+    reducer.wait(stuck, late, "gradient bucket 0", device=torch.device("cuda", 0))
+    with pytest.raises(
+        reducer.DistributedStepError,
+        match="waited 0 s for the all-reduce of gradient bucket 0.*another rank did not join",
+    ):
+        reducer.wait(_FakeWork(), late, "gradient bucket 1", device=torch.device("cuda", 0))
+    assert stuck.calls == [("wait", ()), ("is_completed", ())]

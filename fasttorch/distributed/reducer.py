@@ -54,6 +54,9 @@ class SyncConfig:
     # (fresh multi-MB buffers each step cost page faults): memos, not training state.
     _layouts: dict[Any, list[list[str]]] = attrs.field(factory=dict, eq=False, repr=False)
     _buffers: dict[Any, list[torch.Tensor]] = attrs.field(factory=dict, eq=False, repr=False)
+    # Collectives the host did not wait for (NCCL: the stream waits), with when each
+    # was waited on and what it reduced; checked without blocking by the next waits.
+    _pending: list[tuple[Any, float, str]] = attrs.field(factory=list, eq=False, repr=False)
 
     def bucket_buffers(
         self, names: list[list[str]], params: Mapping[str, torch.Tensor]
@@ -211,10 +214,13 @@ class WindowReduction:
             if name not in self.done:
                 self._put(name, g.grads[name])
         timeout = self.config.timeout
-        self._wait(self.counts_work, timeout, "the window's sample counts")
         assert self.counts is not None
+        # The counts first: on CPU they are read next (check_agreement); on a GPU only
+        # the stream waits, as for the buckets.
+        self._wait(self.counts_work, timeout, "the window's sample counts", self.counts.device)
         for i, w in enumerate(self.work):
-            self._wait(w, timeout, f"gradient bucket {i}")
+            flat = self.flats[i]
+            self._wait(w, timeout, f"gradient bucket {i}", None if flat is None else flat.device)
         self._check_agreement(self.counts)
         total, value = self.counts[0], self.counts[1]
         denom = total.to(next(iter(self.slots.values())).dtype)
@@ -233,17 +239,40 @@ class WindowReduction:
         )
         return skip_empty_window(window)
 
-    def _wait(self, work: Any, timeout: datetime.timedelta, what: str) -> None:
-        wait(work, self.config, what)
+    def _wait(
+        self, work: Any, timeout: datetime.timedelta, what: str, device: torch.device | None
+    ) -> None:
+        wait(work, self.config, what, device=device)
 
     def _check_agreement(self, counts: torch.Tensor) -> None:
         check_agreement(counts, self.config, self.n)
 
 
-def wait(work: Any, config: SyncConfig, what: str) -> None:
+def wait(work: Any, config: SyncConfig, what: str, *, device: torch.device | None = None) -> None:
     """Wait for ``work`` (an async collective) within ``config.timeout``, or raise
     :class:`DistributedStepError` saying whether a rank was late or the collective failed.
+
+    For tensors on a GPU reduced by NCCL (``device`` given), ``work.wait()`` without a
+    timeout only makes the current CUDA stream wait for the collective: the host goes
+    on launching kernels. With a timeout NCCL blocks the host thread until the
+    collective completes, once per bucket per window. So there the host does not wait:
+    a collective still running ``config.timeout`` after it was waited on is reported,
+    with the same error, by a later wait (``work.is_completed()``, which never blocks),
+    and one that never completes by the process group's own watchdog (its ``timeout``
+    in ``init_process_group``). Everywhere else (gloo, CPU tensors) the host waits, as
+    the values are read right after.
     """
+    if device is not None and _stream_ordered(config, device):
+        _check_late(config)
+        start = time.monotonic()
+        try:
+            work.wait()  # no timeout: a stream wait, not a host one
+        except RuntimeError as e:  # an aborted communicator (the watchdog saw a failure)
+            raise DistributedStepError(
+                _failure_message(config, what, time.monotonic() - start, e)
+            ) from e
+        config._pending.append((work, start, what))
+        return
     timeout = config.timeout
     start = time.monotonic()
     try:
@@ -255,6 +284,22 @@ def wait(work: Any, config: SyncConfig, what: str) -> None:
         raise DistributedStepError(_failure_message(config, what, elapsed, e)) from e
     if ok is False:
         raise DistributedStepError(_timeout_message(config, what))
+
+
+def _stream_ordered(config: SyncConfig, device: torch.device) -> bool:
+    """Whether waiting on a collective of ``device`` tensors orders a stream, not the host."""
+    return device.type == "cuda" and "nccl" in str(dist.get_backend(config.group)).lower()
+
+
+def _check_late(config: SyncConfig) -> None:
+    """Forget completed collectives; raise for one running ``config.timeout`` or more."""
+    now, limit = time.monotonic(), config.timeout.total_seconds()
+    still = [entry for entry in config._pending if not entry[0].is_completed()]
+    config._pending[:] = still
+    for _, since, what in still:
+        if now - since >= limit:
+            config._pending.clear()
+            raise DistributedStepError(_timeout_message(config, what))
 
 
 def _failure_message(config: SyncConfig, what: str, elapsed: float, error: BaseException) -> str:

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from fasttorch import _checks, struct
+from fasttorch.optim import _fused
 from fasttorch.schedules import Schedule
 
 __all__ = ["LearningRate", "OptState", "Optimizer", "set_hyperparams", "update_used"]
@@ -272,6 +273,8 @@ def set_hyperparams(
         # Checked first, written after: a bad value leaves every tensor as it was.
         for name in values:
             hyper[name] = opt_state.hyper[name].copy_(hyper[name])
+    # A number's value is known on the host: a fused GPU step need not read it back.
+    _fused.remember(hyper, {n: v for n, v in values.items() if not isinstance(v, Tensor)})
     return opt_state.replace(hyper=hyper)
 
 

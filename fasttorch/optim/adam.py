@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
 from torch import Tensor
 
+from fasttorch.optim import _fused
 from fasttorch.optim._base import (
     LearningRate,
     OptState,
@@ -59,14 +61,14 @@ class Adam:
     def init(self, params: Mapping[str, Tensor]) -> OptState:
         """Count 0, hyperparameters as 0-d float32 tensors, zero first and second moments."""
         device = params_device(params)
-        hyper = make_hyper(
-            self.lr,
-            device,
-            beta1=self.betas[0],
-            beta2=self.betas[1],
-            eps=self.eps,
-            weight_decay=self.weight_decay,
-        )
+        values = {
+            "beta1": self.betas[0],
+            "beta2": self.betas[1],
+            "eps": self.eps,
+            "weight_decay": self.weight_decay,
+        }
+        hyper = make_hyper(self.lr, device, **values)
+        _fused.remember(hyper, values)
         slots = {
             slot: {n: torch.zeros_like(p) for n, p in params.items()}
             for slot in ("exp_avg", "exp_avg_sq")
@@ -93,7 +95,9 @@ class Adam:
         Out of place by default. ``inplace=True`` overwrites the parameter, moment and
         gradient tensors instead and returns them (for a donated state in eager mode,
         where fresh allocations cost more than the arithmetic); both run the same
-        kernels in the same order, so they give the same bits.
+        kernels in the same order, so they give the same bits. In place on a GPU
+        (:data:`~fasttorch.optim._fused.FUSED_DEVICES`) the update is torch's fused
+        kernel, ``torch.optim.AdamW(fused=True)``'s, one launch per dtype.
         """
         names = list(params)
         # In place, the count is the state's own tensor too (no allocation at the peak).
@@ -101,7 +105,6 @@ class Adam:
         if not names:
             return {}, opt_state.replace(count=count)
         h = opt_state.hyper
-        beta1, beta2, eps, wd = h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
         with torch.no_grad():
             lr = self.learning_rate(opt_state, step)
             p = [params[n] for n in names]
@@ -112,54 +115,181 @@ class Adam:
                 p, m, v = self._graph_update(p, g, m, v, lr, count, h)
                 slots = {"exp_avg": dict(zip(names, m)), "exp_avg_sq": dict(zip(names, v))}
                 return dict(zip(names, p)), opt_state.replace(count=count, slots=slots)
+            fused = _fused.kernel(self._kernel_name, (p, g, m, v)) if inplace else None
+            if fused is not None:
+                self._fused(fused, (p, g, m, v), lr, count, h)
+                return dict(zip(names, p)), opt_state.replace(count=count)
             if not inplace:
                 p, g, m, v = ([t.clone() for t in ts] for ts in (p, g, m, v))
-            if self.decoupled_weight_decay:
-                torch._foreach_mul_(p, 1 - lr * wd)
-            else:
-                torch._foreach_add_(g, _foreach_mul(p, wd))
-            # torch's exp_avg.lerp_(grad, 1 - beta1), with the weight as a tensor per
-            # parameter dtype (a 0-d tensor scalar would be read back to the host).
-            if in_cpu_graph(m):
-                w = 1 - beta1
-                m = [mi.lerp_(gi, w.to(mi.dtype)) for mi, gi in zip(m, g)]
-            else:
-                torch._foreach_lerp_(m, g, _per_dtype(1 - beta1, m))
-            torch._foreach_mul_(v, beta2)
-            torch._foreach_mul_(g, g)
-            torch._foreach_mul_(g, 1 - beta2)
-            torch._foreach_add_(v, g)
-            # Scalars in float64, as torch's Python-float math; the tensors they scale
-            # cast them to their own dtype.
-            t = count.to(torch.float64)
-            step_size = lr / (1 - beta1**t)
-            bias_correction2_sqrt = (1 - beta2**t).sqrt()
-            del t
-            if inplace:
-                # Eager: the denominator is built in g, which is spent, and m / denom is
-                # written over it tensor by tensor, so the update allocates nothing the
-                # size of the parameters. The same kernels in the same order: same bits.
-                torch._foreach_copy_(g, v)
-                torch._foreach_sqrt_(g)
-                denom = g
-            else:
-                denom = list(torch._foreach_sqrt(v))
-            torch._foreach_div_(denom, bias_correction2_sqrt)
-            # A list: with a bare 0-d tensor, _foreach_add_ reads it with .item() in C++.
+            self._foreach(p, g, m, v, lr, count, h, inplace=inplace)
+        slots = {"exp_avg": dict(zip(names, m)), "exp_avg_sq": dict(zip(names, v))}
+        return dict(zip(names, p)), opt_state.replace(count=count, slots=slots)
+
+    @property
+    def _kernel_name(self) -> str:
+        return "adamw" if self.decoupled_weight_decay else "adam"
+
+    def fused_update(
+        self,
+        params: Mapping[str, Tensor],
+        grads: Mapping[str, Tensor],
+        opt_state: OptState,
+        step: Tensor,
+        *,
+        grad_scale: Tensor | None,
+        found_inf: Tensor,
+    ) -> tuple[dict[str, Tensor], OptState] | None:
+        """``update(..., inplace=True)`` through torch's fused kernel, skipped where
+        ``found_inf``; ``None`` (nothing done) where the kernel does not apply.
+
+        As ``GradScaler.step`` with a fused optimizer: ``grads`` still carry the loss
+        scale ``grad_scale`` (or none), which the kernel divides out, and when
+        ``found_inf`` (a bool 0-d tensor) is true the kernel leaves parameters and
+        moments as they are; the count does not advance.
+        """
+        names = list(params)
+        lists = self._lists(names, params, grads, opt_state)
+        fused = _fused.kernel(self._kernel_name, lists)
+        if fused is None:
+            return None
+        with torch.no_grad():
+            lr = self.learning_rate(opt_state, step)
+            count = opt_state.count.add_(found_inf.logical_not())
+            self._fused(
+                fused, lists, lr, count, opt_state.hyper, grad_scale, _fused.float_flag(found_inf)
+            )
+        return dict(zip(names, lists[0])), opt_state.replace(count=count)
+
+    def can_fuse(
+        self, params: Mapping[str, Tensor], grads: Mapping[str, Tensor], opt_state: OptState
+    ) -> bool:
+        """Whether :meth:`fused_update` would run torch's fused kernel on these tensors."""
+        lists = self._lists(list(params), params, grads, opt_state)
+        return _fused.kernel(self._kernel_name, lists) is not None
+
+    @staticmethod
+    def _lists(
+        names: list[str],
+        params: Mapping[str, Tensor],
+        grads: Mapping[str, Tensor],
+        opt_state: OptState,
+    ) -> list[list[Tensor]]:
+        slots = opt_state.slots
+        return [
+            [params[n] for n in names],
+            [grads[n] for n in names],
+            [slots["exp_avg"][n] for n in names],
+            [slots["exp_avg_sq"][n] for n in names],
+        ]
+
+    def _fused(
+        self,
+        fused: Callable[..., Any],
+        lists: Sequence[list[Tensor]],
+        lr: Tensor,
+        count: Tensor,
+        h: dict[str, Tensor],
+        grad_scale: Tensor | None = None,
+        found_inf: Tensor | None = None,
+    ) -> None:
+        """torch's fused Adam(W) over ``lists`` (params, grads, m, v), one launch a dtype.
+
+        ``count`` is already the new count; the kernel reads the step as float32, as
+        ``torch.optim``'s per-parameter ``state["step"]`` (the same tensor for all).
+        """
+        steps = count.to(torch.float32)
+        lr = lr.to(torch.float32)
+        hyper = {k: _fused.host_float(h[k]) for k in ("beta1", "beta2", "weight_decay", "eps")}
+        for p, g, m, v in _fused.by_dtype(lists):
+            fused(
+                p,
+                g,
+                m,
+                v,
+                [],
+                [steps] * len(p),
+                lr=lr,
+                **hyper,
+                amsgrad=False,
+                maximize=False,
+                grad_scale=grad_scale,
+                found_inf=found_inf,
+            )
+
+    def _foreach(
+        self,
+        p: list[Tensor],
+        g: list[Tensor],
+        m: list[Tensor],
+        v: list[Tensor],
+        lr: Tensor,
+        count: Tensor,
+        h: dict[str, Tensor],
+        *,
+        inplace: bool,
+    ) -> None:
+        """``update``'s arithmetic as ``_foreach_*`` calls, in place on ``p``, ``m``, ``v``
+        (``g`` is spent).
+
+        Eager, every call takes CUDA's multi-tensor path: 0-d factors in the lists'
+        dtype (float32: the cast from float64 is the one the op itself would make, so
+        the same bits), the lerp weight a Python float (read once per change of beta1,
+        :func:`_fused.host_float`), lists of the same shapes. In a graph the compiler
+        fuses them and the 0-d factors stay tensors (a float would be a constant).
+        """
+        beta1, beta2, eps, wd = h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
+        graph = torch.compiler.is_compiling()
+        dtype = p[0].dtype
+
+        def factor(x: Tensor) -> Tensor:
+            return x if graph else x.to(_fused.factor_dtype(dtype))
+
+        if self.decoupled_weight_decay:
+            torch._foreach_mul_(p, factor(1 - lr * wd))
+        else:
+            torch._foreach_add_(g, _foreach_mul(p, wd))
+        # torch's exp_avg.lerp_(grad, 1 - beta1), with the weight in each parameter's
+        # dtype (as a 0-d tensor in a graph: a tensor scalar would be read to the host).
+        if in_cpu_graph(m):
+            w = 1 - beta1
+            m[:] = [mi.lerp_(gi, w.to(mi.dtype)) for mi, gi in zip(m, g)]
+        elif graph or len({t.dtype for t in m}) > 1:
+            torch._foreach_lerp_(m, g, _per_dtype(1 - beta1, m))
+        else:
+            torch._foreach_lerp_(m, g, _host_weight(_fused.host_float(beta1), dtype))
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_mul_(g, g)
+        torch._foreach_mul_(g, 1 - beta2)
+        torch._foreach_add_(v, g)
+        # Scalars in float64, as torch's Python-float math; the tensors they scale
+        # cast them to their own dtype.
+        t = count.to(torch.float64)
+        step_size = factor(lr / (1 - beta1**t))
+        bias_correction2_sqrt = factor((1 - beta2**t).sqrt())
+        del t
+        if inplace:
+            # Eager: the denominator is built in g, which is spent. The same kernels in
+            # the same order as the out-of-place form: same bits.
+            torch._foreach_copy_(g, v)
+            torch._foreach_sqrt_(g)
+            denom = g
+        else:
+            denom = list(torch._foreach_sqrt(v))
+        torch._foreach_div_(denom, bias_correction2_sqrt)
+        if graph:
+            # A list: dynamo reads a bare 0-d tensor operand of _foreach_add_ to the host.
             torch._foreach_add_(denom, [eps] * len(denom))
+            g = list(torch._foreach_div(m, denom))  # the graph plans its own memory
+        else:
+            torch._foreach_add_(denom, factor(eps))
             if inplace:
-                for mi, di in zip(m, denom):
-                    torch.div(mi, di, out=di)
-            elif torch.compiler.is_compiling():
-                g = list(torch._foreach_div(m, denom))  # the graph plans its own memory
+                g = list(torch._foreach_div(m, denom))  # one launch, not one per tensor
             else:
                 # m / denom * step_size, written over g (spent); a copy is exact.
                 torch._foreach_copy_(g, m)
                 torch._foreach_div_(g, denom)
-            torch._foreach_mul_(g, step_size)
-            torch._foreach_sub_(p, g)
-        slots = {"exp_avg": dict(zip(names, m)), "exp_avg_sq": dict(zip(names, v))}
-        return dict(zip(names, p)), opt_state.replace(count=count, slots=slots)
+        torch._foreach_mul_(g, step_size)
+        torch._foreach_sub_(p, g)
 
     def _graph_update(
         self,
@@ -197,6 +327,11 @@ class Adam:
             ms.append(mi)
             vs.append(vi)
         return ps, ms, vs
+
+
+def _host_weight(beta1: float, dtype: torch.dtype) -> float:
+    """``1 - beta1`` as the float32 tensors compute it, then rounded to ``dtype``."""
+    return float(torch.tensor(1 - beta1, dtype=torch.float32).to(dtype))
 
 
 def _per_dtype(x: Tensor, like: list[Tensor]) -> list[Tensor]:

@@ -168,6 +168,39 @@ class Groups:
         ordered = {n: new_params[n] for n in params}
         return ordered, opt_state.replace(count=count, slots=slots)
 
+    def fused_update(
+        self,
+        params: Mapping[str, Tensor],
+        grads: Mapping[str, Tensor],
+        opt_state: OptState,
+        step: Tensor,
+        *,
+        grad_scale: Tensor | None,
+        found_inf: Tensor,
+    ) -> tuple[dict[str, Tensor], OptState] | None:
+        """Each group's ``fused_update`` (torch's fused kernel, loss scale and skip flag
+        inside), when every group's optimizer can take it; else ``None``, nothing done."""
+        parts = []
+        for i, (opt, names) in enumerate(zip(self.optimizers, self._split(params))):
+            if not names:
+                continue
+            sub_params = {n: params[n] for n in names}
+            sub_grads = {n: grads[n] for n in names}
+            can_fuse = getattr(opt, "can_fuse", None)
+            sub = self._sub_state(opt_state, i, names, opt_state.count)
+            if can_fuse is None or not can_fuse(sub_params, sub_grads, sub):
+                return None
+            parts.append((i, opt, names, sub_params, sub_grads))
+        for i, opt, names, sub_params, sub_grads in parts:
+            # Each advances the count it is given: a copy.
+            sub = self._sub_state(opt_state, i, names, opt_state.count.clone())
+            done = opt.fused_update(  # type: ignore[attr-defined]
+                sub_params, sub_grads, sub, step, grad_scale=grad_scale, found_inf=found_inf
+            )
+            assert done is not None  # can_fuse said so
+        count = opt_state.count.add_(found_inf.logical_not())
+        return dict(params), opt_state.replace(count=count)
+
 
 def groups(
     default: Optimizer,

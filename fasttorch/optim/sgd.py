@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
 from torch import Tensor
 
 from fasttorch import _checks
+from fasttorch.optim import _fused
 from fasttorch.optim._base import (
     LearningRate,
     OptState,
@@ -64,10 +66,10 @@ class SGD:
         if self._has_momentum:
             values.update(momentum=self.momentum, dampening=self.dampening)
             slots["momentum_buffer"] = {n: torch.zeros_like(p) for n, p in params.items()}
+        hyper = make_hyper(self.lr, device, **values)
+        _fused.remember(hyper, values)
         return OptState(
-            count=torch.zeros((), dtype=torch.int64, device=device),
-            hyper=make_hyper(self.lr, device, **values),
-            slots=slots,
+            count=torch.zeros((), dtype=torch.int64, device=device), hyper=hyper, slots=slots
         )
 
     def learning_rate(self, opt_state: OptState, step: Tensor) -> Tensor:
@@ -86,7 +88,13 @@ class SGD:
         """One SGD step: new params (same keys, order) and state.
 
         Out of place by default; ``inplace=True`` overwrites the parameter, buffer and
-        gradient tensors and returns them, running the same kernels (same bits).
+        gradient tensors and returns them, running the same kernels (same bits). In
+        place on a GPU (:data:`~fasttorch.optim._fused.FUSED_DEVICES`) the update is
+        torch's fused kernel, ``torch.optim.SGD(fused=True)``'s, where it computes the
+        same algorithm: without momentum, or with dampening 0 (torch's kernel starts
+        the buffer from the gradient when told it is the first step, which a step that
+        keeps its count on the device cannot tell it; with dampening 0 a zero buffer
+        gives the same).
         """
         names = list(params)
         count = opt_state.count + 1
@@ -97,6 +105,11 @@ class SGD:
             lr = self.learning_rate(opt_state, step)
             p = [params[n] for n in names]
             g = [grads[n] for n in names]
+            lists = self._fused_lists(names, p, g, opt_state) if inplace else None
+            fused = None if lists is None else _fused.kernel("sgd", lists)
+            if fused is not None and lists is not None:
+                self._fused(fused, lists, lr, hyper)
+                return dict(zip(names, p)), opt_state.replace(count=count)
             if not inplace:
                 p, g = [t.clone() for t in p], [t.clone() for t in g]
             torch._foreach_add_(g, _foreach_mul(p, hyper["weight_decay"]))
@@ -118,8 +131,94 @@ class SGD:
                 else:
                     g = bufs
                 slots = {"momentum_buffer": dict(zip(names, bufs))}
+            # lr in the lists' dtype (float32 from a schedule's float64: the cast the op
+            # would make, same bits), for CUDA's multi-tensor path.
+            lr = lr if torch.compiler.is_compiling() else lr.to(_fused.factor_dtype(p[0].dtype))
             torch._foreach_sub_(p, _foreach_mul(g, lr))
         return dict(zip(names, p)), opt_state.replace(count=count, slots=slots)
+
+    def _fused_lists(
+        self, names: list[str], p: list[Tensor], g: list[Tensor], opt_state: OptState
+    ) -> list[list[Tensor]] | None:
+        """(params, grads[, buffers]) for the fused kernel, or None where it does not
+        compute this algorithm (momentum with dampening other than 0)."""
+        if not self._has_momentum:
+            return [p, g]
+        # Not for half dtypes: torch's CPU kernel (2.13) gives wrong buffers for a
+        # bfloat16 step that is not the first, and the zero buffer relies on it.
+        if p[0].dtype not in (torch.float32, torch.float64):
+            return None
+        if _fused.host_float(opt_state.hyper["dampening"]) != 0.0:
+            return None
+        return [p, g, [opt_state.slots["momentum_buffer"][n] for n in names]]
+
+    def fused_update(
+        self,
+        params: Mapping[str, Tensor],
+        grads: Mapping[str, Tensor],
+        opt_state: OptState,
+        step: Tensor,
+        *,
+        grad_scale: Tensor | None,
+        found_inf: Tensor,
+    ) -> tuple[dict[str, Tensor], OptState] | None:
+        """``update(..., inplace=True)`` through torch's fused kernel, skipped where
+        ``found_inf``; ``None`` (nothing done) where the kernel does not apply.
+
+        As ``GradScaler.step`` with a fused optimizer: ``grads`` still carry the loss
+        scale ``grad_scale`` (or none), which the kernel divides out, and when
+        ``found_inf`` (a bool 0-d tensor) is true the kernel leaves parameters and
+        buffers as they are; the count does not advance.
+        """
+        names = list(params)
+        p, g = [params[n] for n in names], [grads[n] for n in names]
+        lists = self._fused_lists(names, p, g, opt_state) if names else None
+        fused = None if lists is None else _fused.kernel("sgd", lists)
+        if fused is None or lists is None:
+            return None
+        with torch.no_grad():
+            lr = self.learning_rate(opt_state, step)
+            count = opt_state.count + found_inf.logical_not()
+            self._fused(fused, lists, lr, opt_state.hyper, grad_scale, _fused.float_flag(found_inf))
+        return dict(zip(names, p)), opt_state.replace(count=count)
+
+    def can_fuse(
+        self, params: Mapping[str, Tensor], grads: Mapping[str, Tensor], opt_state: OptState
+    ) -> bool:
+        """Whether :meth:`fused_update` would run torch's fused kernel on these tensors."""
+        names = list(params)
+        p, g = [params[n] for n in names], [grads[n] for n in names]
+        lists = self._fused_lists(names, p, g, opt_state) if names else None
+        return lists is not None and _fused.kernel("sgd", lists) is not None
+
+    def _fused(
+        self,
+        fused: Callable[..., Any],
+        lists: Sequence[list[Tensor]],
+        lr: Tensor,
+        hyper: dict[str, Tensor],
+        grad_scale: Tensor | None = None,
+        found_inf: Tensor | None = None,
+    ) -> None:
+        """torch's fused SGD over ``lists`` (params, grads[, buffers]), one launch a dtype."""
+        momentum = _fused.host_float(hyper["momentum"]) if self._has_momentum else 0.0
+        wd = _fused.host_float(hyper["weight_decay"])
+        lr = lr.to(torch.float32)
+        for group in _fused.by_dtype(lists):
+            fused(
+                group[0],
+                group[1],
+                group[2] if self._has_momentum else [],
+                weight_decay=wd,
+                momentum=momentum,
+                lr=lr,
+                dampening=0.0,
+                nesterov=self.nesterov,
+                maximize=False,
+                is_first_step=False,
+                grad_scale=grad_scale,
+                found_inf=found_inf,
+            )
 
 
 def sgd(

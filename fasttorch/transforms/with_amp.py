@@ -8,8 +8,9 @@ from typing import Literal
 import attrs
 import torch
 
-from fasttorch import _checks, _compat, struct
+from fasttorch import _checks, _compat, _scope, struct
 from fasttorch._late import LateRead
+from fasttorch.optim._fused import float_flag
 from fasttorch.phases import (
     Batch,
     GradOut,
@@ -97,6 +98,25 @@ class DynamicLossScale:
             skipped_total=s.skipped_total + found_inf.long(),
             skipped_in_a_row=torch.where(found_inf, s.skipped_in_a_row + 1, 0),
         )
+
+    def adjust_in_place(self, s: LossScaleState, found_inf: torch.Tensor) -> LossScaleState:
+        """:meth:`adjust` on ``s``'s own tensors (a donated eager step): GradScaler's
+        kernel, then the floor; five launches instead of about twenty, the same values."""
+        update = _compat.amp_update_scale()
+        if update is None:
+            return self.adjust(s, found_inf)
+        update(
+            s.scale,
+            s.growth_tracker,
+            float_flag(found_inf),
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+        )
+        s.scale.clamp_(min=self.min_scale)  # only a backoff can go below the floor
+        s.skipped_total.add_(found_inf)
+        s.skipped_in_a_row.mul_(found_inf).add_(found_inf)  # +1, or back to 0
+        return s
 
 
 class _Floor:
@@ -273,12 +293,15 @@ def with_amp(
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         ls: LossScaleState = state.substates[KEY]
         norm = unscaled_norm(g)
-        found_inf = ~torch.isfinite(norm)
+        # inf or NaN: a norm is >= 0 otherwise (two operations; isfinite is four)
+        found_inf = ~(norm < float("inf"))
         g = mark_skip(g.replace(norm=norm), found_inf)
         new, metrics = inner_update(state, g)
-        new = new.replace(substates={**new.substates, KEY: rule.adjust(ls, found_inf)})
         # A copy: with donation the state's own scale tensor is overwritten next step.
         metrics["loss_scale"] = ls.scale.clone()
+        in_place = not torch.compiler.is_compiling() and _scope.current().in_place
+        adjusted = rule.adjust_in_place(ls, found_inf) if in_place else rule.adjust(ls, found_inf)
+        new = new.replace(substates={**new.substates, KEY: adjusted})
         metrics["skipped"] = g.skip
         return new, metrics
 
