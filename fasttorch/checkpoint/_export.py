@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from fasttorch.checkpoint._directory import _fsync_dir
 from fasttorch.checkpoint._errors import CheckpointError
@@ -21,9 +20,7 @@ from fasttorch.checkpoint._manifest import _dtype, verify
 from fasttorch.checkpoint._paths import _is_link, _path_arg
 from fasttorch.checkpoint._read import (
     _read,
-    _SafeReader,
-    _tensor_entries,
-    _trust_warning,
+    _reader,
 )
 from fasttorch.state import TrainState, check_alive, is_sharded
 
@@ -54,13 +51,7 @@ def model_state_dict(
         group = key.partition("/")[0]
         if group in ("params", "buffers") and key not in left_out:
             request[key] = torch.empty(info["shape"], dtype=_dtype(info["dtype"]))
-    if trust_pickled:
-        _trust_warning(p)
-        reader: FileSystemReader = FileSystemReader(p)
-    else:
-        safe = _SafeReader(p, set(manifest["files"]))
-        _tensor_entries(safe, list(request), p)
-        reader = safe
+    reader, _ = _reader(p, manifest, list(request), trusted=trust_pickled, stacklevel=3)
     _read(p, request, reader, trusted=trust_pickled, collective=False)
     out = {k.partition("/")[2]: v for k, v in request.items()}
     for key, source in manifest.get("aliases", {}).items():  # tied weights, by each name

@@ -36,9 +36,7 @@ from fasttorch.checkpoint._manifest import verify
 from fasttorch.checkpoint._paths import _dir_arg, _path_arg
 from fasttorch.checkpoint._read import (
     _read,
-    _SafeReader,
-    _tensor_entries,
-    _trust_warning,
+    _reader,
     _unsafe,
 )
 from fasttorch.distributed.fsdp import as_dtensor
@@ -234,11 +232,11 @@ def _open(
     if manifest["format"] == 1 and not trust_pickled:
         raise _unsafe(p, "it is a format-1 checkpoint, whose data= is pickled")
     wanted = [*names.values(), *([] if fresh_rank else [data_key])]
-    reader, data_shape = _reader(p, manifest, wanted, data_key, trust_pickled, fresh_rank)
+    reader, data_shape = _data_shape(p, manifest, wanted, data_key, trust_pickled, fresh_rank)
     return _Source(manifest, reader, names, data_key, data_shape, kept)
 
 
-def _reader(
+def _data_shape(
     p: Path,
     manifest: dict[str, Any],
     wanted: list[str],
@@ -247,17 +245,12 @@ def _reader(
     fresh_rank: bool,
 ) -> tuple[FileSystemReader, list[int] | None]:
     """The reader of the DCP files, and the shape of this rank's data entry."""
+    reader, entries = _reader(p, manifest, wanted, trusted=trust_pickled, stacklevel=5)
+    if fresh_rank or manifest["format"] == 1:
+        return reader, None
     if trust_pickled:
-        _trust_warning(p, stacklevel=5)  # the caller of load
-        reader = FileSystemReader(p)
-        if fresh_rank or manifest["format"] == 1:
-            return reader, None
         md = reader.read_metadata()
         return reader, list(getattr(md.state_dict_metadata[data_key], "size", ()))
-    safe = _SafeReader(p, set(manifest["files"]))
-    entries = _tensor_entries(safe, wanted, p)
-    if fresh_rank:
-        return safe, None
     data_shape = list(entries[data_key].size)
     stored = sum(info["size"] for info in manifest["files"].values())
     if math.prod(data_shape) > stored:  # a crafted .metadata: never allocated
@@ -265,7 +258,7 @@ def _reader(
             f"checkpoint {str(p)!r}: its .metadata gives data= a size of "
             f"{data_shape}, more than its files hold ({stored} bytes)"
         )
-    return safe, data_shape
+    return reader, data_shape
 
 
 def _request(

@@ -120,6 +120,20 @@ def _trust_warning(path: Path, *, stacklevel: int = 3) -> None:
     )
 
 
+def _reader(
+    path: Path, manifest: dict[str, Any], keys: list[str], *, trusted: bool, stacklevel: int
+) -> tuple[FileSystemReader, dict[str, Any]]:
+    """The reader of ``path``'s DCP files, and the metadata of ``keys``, each checked to
+    be a tensor entry; with ``trusted`` (``trust_pickled=True``), DCP's own reader and
+    no metadata, after a warning (``stacklevel`` counted from here, as ``warnings.warn``
+    counts it)."""
+    if trusted:
+        _trust_warning(path, stacklevel=stacklevel + 1)
+        return FileSystemReader(path), {}
+    safe = _SafeReader(path, set(manifest["files"]))
+    return safe, _tensor_entries(safe, keys, path)
+
+
 def _read(
     path: Path,
     request: dict[str, Any],
