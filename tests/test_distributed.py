@@ -50,6 +50,19 @@ def test_no_collective_before_the_last_microbatch(results):
         assert r["bucket_per_param"] == [0, 0, k, 0, 0, k]
 
 
+@pytest.mark.parametrize(
+    "case", ["sgd_eager_n1", "sgd_eager", "sgd_compiled", "adamw_eager", "adamw_compiled"]
+)
+def test_unused_parameters_as_ddp_find_unused(results, case):
+    for r in _get(results, "unused"):
+        c = r[case]
+        # No rank used `never`: kept bit for bit, as DDP + torch.optim keep it (grad None);
+        # the head only the other rank used still moves (its gradient: the average).
+        assert c["never_kept"] and c["ddp_never_kept"], c
+        assert c["other_head_moved"], c
+        assert c["diff"] <= c["bound"], c
+
+
 def test_an_overflow_on_one_rank_skips_on_every_rank(results):
     for r in _get(results, "fp16"):
         assert r["skipped"] and r["unchanged"]
