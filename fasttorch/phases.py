@@ -100,6 +100,10 @@ class GradOut(struct.Record):
             their entries in ``grads`` are zeros, and the update leaves them, and their
             optimizer state, as they are, as ``torch.optim`` skips a ``grad`` of
             ``None`` (docs/concepts.md, "Parameters a step does not use").
+        reached: for names in ``unused``, a 0-d bool tensor: whether another rank's
+            loss reached that parameter in the window (``sync_on_last``). Such a
+            parameter is updated with its (averaged) gradient where true and kept as
+            it is where false, as DDP with ``find_unused_parameters=True`` does.
     """
 
     grads: Tensors
@@ -111,6 +115,7 @@ class GradOut(struct.Record):
     skip: torch.Tensor | None = None
     counted: bool = struct.field(static=True, default=False)
     unused: frozenset[str] = struct.field(static=True, default=frozenset())
+    reached: Tensors | None = None
 
 
 LossFn: TypeAlias = Callable[[Callable[..., Any], Batch], Any]
@@ -584,7 +589,14 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
     inplace = g.skip is None and eager_in_place
     if done is None:
         params, opt_state = update_used(
-            opt, state.params, grads, state.opt_state, state.step, unused=g.unused, inplace=inplace
+            opt,
+            state.params,
+            grads,
+            state.opt_state,
+            state.step,
+            unused=g.unused,
+            inplace=inplace,
+            reached=g.reached,
         )
     else:
         params, opt_state = done

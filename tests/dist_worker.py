@@ -6,6 +6,8 @@ Run by ``torch.multiprocessing`` from the tests, or by ``torchrun`` for the smok
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import datetime
 import json
 import os
@@ -15,11 +17,12 @@ import traceback
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_kit import join
 from reference import LayerNormNet, mse
-from tolerance import FACTOR, fp32_reference_error, relative_reference_error
+from tolerance import FACTOR, fp32_reference_error, params_atol, relative_reference_error
 
 import fasttorch
 from fasttorch.distributed import (
@@ -238,6 +241,97 @@ def check_dead_peer(rank):
 
 EXIT = {"exit": True}  # the rank writes its results and exits at once
 
+
+class Branchy(torch.nn.Module):
+    """A trunk and three heads: each rank's loss uses its own head (``a`` on rank 0,
+    ``b`` on rank 1) and no rank uses ``never``."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = torch.nn.Linear(8, 8)
+        self.a = torch.nn.Linear(8, 4)
+        self.b = torch.nn.Linear(8, 4)
+        self.never = torch.nn.Linear(8, 4)
+
+    def forward(self, x, which):
+        return (self.a if which == 0 else self.b)(torch.tanh(self.trunk(x)))
+
+
+def _ddp_unused(model, windows, rank, make_opt):
+    """DDP(find_unused_parameters=True) + torch.optim, accumulating with no_sync."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, find_unused_parameters=True)
+    opt = make_opt(ddp.parameters())
+    for window in windows:
+        for i, (x, y) in enumerate(window):
+            ctx = ddp.no_sync() if i < len(window) - 1 else contextlib.nullcontext()
+            with ctx:
+                (F.mse_loss(ddp(x, rank), y) / len(window)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: p.detach() for k, p in model.named_parameters()}
+
+
+def check_unused_parameters(rank):
+    """Parameters no rank uses are left alone (no momentum, no weight decay); one used
+    on one rank only gets the average with the other rank's zeros: as DDP with
+    find_unused_parameters=True and torch.optim, sgd and adamw, eager and compiled."""
+    cases = {
+        "sgd_eager_n1": ("sgd", "eager", 1),
+        "sgd_eager": ("sgd", "eager", 2),
+        "sgd_compiled": ("sgd", "compiled", 2),
+        "adamw_eager": ("adamw", "eager", 2),
+        "adamw_compiled": ("adamw", "compiled", 2),
+    }
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)) for _ in range(3)]
+    mine = [tuple(t[8 * rank : 8 * rank + 8] for t in b) for b in data]
+    out = {}
+    for name, (opt_name, mode, n) in cases.items():
+        torch.manual_seed(3)
+        model = Branchy()
+        if opt_name == "sgd":
+            opt = fasttorch.optim.sgd(0.1, momentum=0.9, weight_decay=0.1)
+            make_opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1)  # noqa: E731
+        else:
+            opt = fasttorch.optim.adamw(1e-2, weight_decay=0.1)
+            make_opt = lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1)  # noqa: E731
+        windows = [list(zip(*(t.tensor_split(n) for t in b))) for b in mine]
+        ref = _ddp_unused(copy.deepcopy(model), windows, rank, make_opt)
+        windows64 = [[tuple(t.double() for t in m) for m in w] for w in windows]
+        ref64 = _ddp_unused(copy.deepcopy(model).double(), windows64, rank, make_opt)
+        errors = {k: float((ref[k].double() - ref64[k]).abs().max()) for k in ref}
+
+        def loss_fn(apply, batch):
+            x, y = batch
+            return F.mse_loss(apply(x, rank), y)
+
+        step = sync_on_last(fasttorch.grad_accumulate(fasttorch.step(loss_fn), n))
+        if mode == "compiled":
+            step = fasttorch.compiled(step, backend="aot_eager", dynamic=False)
+        state = fasttorch.TrainState.create(copy.deepcopy(model), opt)
+        for b in mine:
+            state, _ = step(state, b)
+        init = dict(model.named_parameters())
+        out[name] = {
+            "diff": max(float((state.params[k] - ref[k]).abs().max()) for k in ref),
+            "bound": params_atol(errors, ref),
+            "never_kept": all(
+                torch.equal(state.params[k], init[k].detach())
+                for k in ("never.weight", "never.bias")
+            ),
+            "ddp_never_kept": all(
+                torch.equal(ref[k], init[k].detach()) for k in ("never.weight", "never.bias")
+            ),
+            "other_head_moved": not torch.equal(
+                state.params["b.weight" if rank == 0 else "a.weight"],
+                init["b.weight" if rank == 0 else "a.weight"].detach(),
+            ),
+        }
+    return out
+
+
 CHECKS = {
     "within_eager": lambda r: check_equals_single_process(r, False, "eager"),
     "across_eager": lambda r: check_equals_single_process(r, True, "eager"),
@@ -248,6 +342,7 @@ CHECKS = {
     "compiled": check_no_recompiles_compiled,
     "disagree": check_disagreeing_microbatches,
     "empty_window": check_empty_window,
+    "unused": check_unused_parameters,
     "timeout": check_missing_rank_times_out,  # it leaves the group unusable
     "dead_peer": check_dead_peer,  # last: rank 1 exits
 }

@@ -5,6 +5,7 @@ one process on the whole global batch, from the same weights, on a plain module.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -452,6 +453,77 @@ def check_eval_and_apply(rank):
     }
 
 
+class TwoHeads(torch.nn.Module):
+    """A body and two heads, of which the loss uses ``used`` only (on every rank)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.used = torch.nn.Linear(8, 4)
+        self.never = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.used(torch.tanh(self.body(x)))
+
+
+def _fsdp2_loop(model, windows, make_opt):
+    """The plain FSDP2 loop: ``fully_shard`` + torch.optim, accumulating without sync."""
+    fully_shard(model)
+    opt = make_opt(model.parameters())
+    for window in windows:
+        for i, (x, y) in enumerate(window):
+            model.set_requires_gradient_sync(i == len(window) - 1)
+            (torch.nn.functional.mse_loss(model(x), y) / len(window)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: p.full_tensor().detach() for k, p in model.named_parameters()}
+
+
+def check_unused_parameters(rank):
+    """A parameter no rank uses keeps its value, momentum and decay: FSDP2 leaves its
+    .grad None and torch.optim skips it; so does a sharded sync_on_last step."""
+    opts = {
+        "sgd": (
+            lambda: fasttorch.optim.sgd(0.1, momentum=0.9, weight_decay=0.1),
+            lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1),
+        ),
+        "adamw": (
+            lambda: fasttorch.optim.adamw(LR, weight_decay=0.1),
+            lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=0.1),
+        ),
+    }
+    data = global_batches(3, EQUAL)
+    mine = [shard(b, rank, EQUAL) for b in data]
+    windows = [list(zip(*(t.tensor_split(2) for t in b))) for b in mine]
+    out = {}
+    for opt_name, (make_opt, torch_opt) in opts.items():
+        for mode in ("eager", "compiled"):
+            torch.manual_seed(0)
+            model = TwoHeads()
+            init = {k: p.detach().clone() for k, p in model.named_parameters()}
+            ref = _fsdp2_loop(copy.deepcopy(model), windows, torch_opt)
+            windows64 = [[tuple(t.double() for t in m) for m in w] for w in windows]
+            ref64 = _fsdp2_loop(copy.deepcopy(model).double(), windows64, torch_opt)
+            errors = {k: float((ref[k].double() - ref64[k]).abs().max()) for k in ref}
+            step = sync_on_last(fasttorch.grad_accumulate(fasttorch.step(mse), 2))
+            if mode == "compiled":
+                step = fasttorch.compiled(step, backend="aot_eager", dynamic=False)
+            mine_model = copy.deepcopy(model)
+            fully_shard(mine_model)
+            state = fasttorch.TrainState.create(mine_model, make_opt())
+            for b in mine:
+                state, _ = step(state, b)
+            got = full(state, state.params)
+            never = ("never.weight", "never.bias")
+            out[f"{opt_name}_{mode}"] = {
+                "diff": max(float((got[k] - ref[k]).abs().max()) for k in ref),
+                "bound": params_atol(errors, ref),
+                "never_kept": all(torch.equal(got[k], init[k]) for k in never),
+                "fsdp2_never_kept": all(torch.equal(ref[k], init[k]) for k in never),
+            }
+    return out
+
+
 CHECKS = {
     "no_recompiles": check_no_recompiles,  # first: the once-only warning is still to come
     **{
@@ -471,6 +543,7 @@ CHECKS = {
     "collectives": check_collectives,
     "errors": check_errors,
     "eval": check_eval_and_apply,
+    "unused": check_unused_parameters,
 }
 
 

@@ -17,6 +17,7 @@ from dist_worker import run
 from reference import LayerNormNet, mse
 
 import fasttorch
+from fasttorch import _compat
 from fasttorch.distributed import backend_for, sync_on_last
 
 HERE = Path(__file__).resolve().parent
@@ -48,6 +49,25 @@ def test_no_collective_before_the_last_microbatch(results):
         assert r["one_bucket"] == [0, 0, 2, 0, 0, 2]
         k = r["n_params"] + 1
         assert r["bucket_per_param"] == [0, 0, k, 0, 0, k]
+
+
+@pytest.mark.parametrize(
+    "case", ["sgd_eager_n1", "sgd_eager", "sgd_compiled", "adamw_eager", "adamw_compiled"]
+)
+def test_unused_parameters_as_ddp_find_unused(results, case):
+    if case.endswith("compiled") and not _compat.AUTOGRAD_GRAD_IN_GRAPH:
+        # The window's first microbatch runs the compiled microbatch kernel.
+        pytest.skip(
+            "compiled steps on torch < 2.12 take gradients with torch.func.grad, which "
+            "gives zeros for unused parameters (docs/concepts.md)"
+        )
+    for r in _get(results, "unused"):
+        c = r[case]
+        # No rank used `never`: kept bit for bit, as DDP + torch.optim keep it (grad None);
+        # the head only the other rank used still moves (its gradient: the average).
+        assert c["never_kept"] and c["ddp_never_kept"], c
+        assert c["other_head_moved"], c
+        assert c["diff"] <= c["bound"], c
 
 
 def test_an_overflow_on_one_rank_skips_on_every_rank(results):

@@ -142,6 +142,14 @@ def test_sharded_steps_on_gpus_with_nccl(tmp_path):
         assert r["overflow_skipped"] and r["scale"] == 32768.0, r
 
 
+@pytest.mark.parametrize("case", ["sgd_eager", "sgd_compiled", "adamw_eager", "adamw_compiled"])
+def test_a_parameter_no_rank_uses_is_left_as_fsdp2_and_torch_optim_leave_it(results, case):
+    for r in _get(results, "unused"):
+        c = r[case]
+        assert c["never_kept"] and c["fsdp2_never_kept"], c
+        assert c["diff"] <= c["bound"], c
+
+
 def test_a_module_fsdp2_did_not_shard_reads_as_unknown():
     # Unknown (None), not "kept": a window then reshards every unit, FSDP2's default.
     from fasttorch import _compat

@@ -234,6 +234,10 @@ def run_sharded_window(
             k: local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
             for k, p in params.items()
         }
+        # FSDP2 reduce-scatters only the parameters with a gradient and leaves the
+        # others' .grad None, as torch.optim then skips: so does the update (FSDP2
+        # needs every rank to agree on that set, or its reduce-scatter does not match).
+        unused = frozenset(k for k, p in params.items() if p.grad is None)
     finally:
         root.set_requires_gradient_sync(True)
         for m in keep:
@@ -276,6 +280,7 @@ def run_sharded_window(
         scale=scale,
         norm=norm,
         counted=last.counted,
+        unused=unused,
     )
     apply = step.kernel("apply", lambda: functools.partial(apply_update, step))
     return apply(state, skip_empty_window(window))  # type: ignore[no-any-return]

@@ -57,11 +57,18 @@ class SyncConfig:
     # Collectives the host did not wait for (NCCL: the stream waits), with when each
     # was waited on and what it reduced; checked without blocking by the next waits.
     _pending: list[tuple[Any, float, str]] = attrs.field(factory=list, eq=False, repr=False)
+    # The used-parameter flags by set of unused names (see WindowReduction.flags).
+    _flags: dict[Any, torch.Tensor] = attrs.field(factory=dict, eq=False, repr=False)
 
     def bucket_buffers(
         self, names: list[list[str]], params: Mapping[str, torch.Tensor]
     ) -> list[torch.Tensor]:
-        """One flat buffer per bucket, allocated once per layout."""
+        """One flat buffer per bucket, allocated once per layout.
+
+        The last bucket has one more element per parameter at its end: the flags of
+        the parameters this rank used, summed over the ranks with the gradients (so
+        knowing which parameters no rank used costs no collective of its own).
+        """
         key = (
             tuple(tuple(b) for b in names),
             tuple(
@@ -73,13 +80,24 @@ class SyncConfig:
         if key not in self._buffers:
             self._buffers[key] = [
                 torch.empty(
-                    sum(params[k].numel() for k in b),
+                    sum(params[k].numel() for k in b)
+                    + (sum(map(len, names)) if i == len(names) - 1 else 0),
                     dtype=params[b[0]].dtype,
                     device=params[b[0]].device,
                 )
-                for b in names
+                for i, b in enumerate(names)
             ]
         return self._buffers[key]
+
+    def used_flags(
+        self, order: list[str], unused: frozenset[str], like: torch.Tensor
+    ) -> torch.Tensor:
+        """1 per parameter of ``order`` this rank used, 0 per ``unused`` one; made once."""
+        key = (tuple(order), unused, like.dtype, like.device)
+        if key not in self._flags:
+            values = [0.0 if k in unused else 1.0 for k in order]
+            self._flags[key] = torch.tensor(values, dtype=like.dtype, device=like.device)
+        return self._flags[key]
 
     def buckets(self, params: Mapping[str, torch.Tensor]) -> list[list[str]]:
         """Parameter names per bucket, in launch order (deterministic on every rank)."""
@@ -148,6 +166,10 @@ class WindowReduction:
         self.counts: torch.Tensor | None = None
         self.counts_work: Any = None
         self.params = params
+        self.order = [k for names in self.names for k in names]
+        # The parameters no microbatch of this rank's window reached, known in finish():
+        # until then every hook fired, so every parameter was used.
+        self.unused: frozenset[str] = frozenset()
 
     # -- called by the gradient phase --------------------------------------------------
     def attach(self, params: Tensors, out: Loss) -> list[Any]:
@@ -204,12 +226,23 @@ class WindowReduction:
             self.names[self.launched]
         ):
             flat = self.flats[self.launched]
+            assert flat is not None
+            if self.launched == len(self.names) - 1:
+                tail = flat[flat.numel() - len(self.order) :]
+                tail.copy_(self.config.used_flags(self.order, self.unused, tail))
             self.work.append(dist.all_reduce(flat, group=self.config.group, async_op=True))
             self.launched += 1
 
     # -- after backward ------------------------------------------------------------------
     def finish(self, g: GradOut) -> GradOut:
-        """Wait for every reduction and return the window's global mean gradient."""
+        """Wait for every reduction and return the window's global mean gradient.
+
+        A parameter this rank did not use gets a zero gradient in the sum, as DDP's
+        ``find_unused_parameters=True``; its entry in ``reached`` says whether any
+        rank used it, so that the update skips it when none did.
+        """
+        earlier = None if self.acc is None else self.acc.unused
+        self.unused = g.unused if earlier is None else earlier & g.unused
         for name in self.bucket_of:  # parameters whose hook did not fire (no gradient)
             if name not in self.done:
                 self._put(name, g.grads[name])
@@ -223,6 +256,13 @@ class WindowReduction:
             self._wait(w, timeout, f"gradient bucket {i}", None if flat is None else flat.device)
         self._check_agreement(self.counts)
         total, value = self.counts[0], self.counts[1]
+        reached = None
+        if self.unused:
+            last = self.flats[-1]
+            assert last is not None
+            anyone = last[last.numel() - len(self.order) :] > 0
+            at = {k: i for i, k in enumerate(self.order)}
+            reached = {k: anyone[at[k]] for k in self.unused}
         denom = total.to(next(iter(self.slots.values())).dtype)
         for flat in self.flats:
             if flat is not None:
@@ -236,6 +276,8 @@ class WindowReduction:
             aux=g.aux,
             scale=g.scale,
             counted=g.counted,
+            unused=self.unused,
+            reached=reached,
         )
         return skip_empty_window(window)
 

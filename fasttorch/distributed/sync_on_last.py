@@ -89,6 +89,10 @@ def sync_on_last(
     all of it, whatever the sizes of the ranks' microbatches. Without
     ``grad_accumulate`` it reduces every step. An inf/NaN on any rank reaches every
     rank's sum, so with fp16 every rank skips the step and backs off the scale alike.
+    A parameter that no rank's window reaches is not updated (no momentum, no weight
+    decay), and one that some rank reaches gets the average with the others' zeros, as
+    with DDP's ``find_unused_parameters=True`` (docs/concepts.md, "Parameters a step
+    does not use"); nothing is read back to the host for it.
 
     A state sharded with FSDP2 (its module passed through ``fully_shard``) trains
     with the same transform: FSDP2 all-gathers and reduce-scatters, once per window on

@@ -324,6 +324,7 @@ def update_used(
     *,
     unused: frozenset[str],
     inplace: bool = False,
+    reached: Mapping[str, Tensor] | None = None,
 ) -> tuple[dict[str, Tensor], OptState]:
     """``opt.update`` on the parameters not in ``unused``; the others kept as they are.
 
@@ -334,7 +335,47 @@ def update_used(
     Their parameter and slot tensors come back unchanged: the same tensors in place,
     copies otherwise (a new state never shares a tensor with the old one). The shared
     update ``count`` still advances (see docs/concepts.md for what that means for Adam).
+
+    ``reached`` (``sync_on_last``): for names in ``unused``, a 0-d bool tensor saying
+    whether another rank used the parameter; those are updated and then selected
+    (``torch.where``) against their old values, so no rank reads the flag on the host.
     """
+    maybe = {n: f for n, f in (reached or {}).items() if n in unused}
+    if not maybe:
+        return _update_skipping(opt, params, grads, opt_state, step, unused, inplace)
+
+    def before(t: Tensor) -> Tensor:  # an in-place update overwrites the old value
+        return t.clone() if inplace else t
+
+    old_p = {n: before(params[n]) for n in maybe}
+    old_s = {k: {n: before(v[n]) for n in maybe if n in v} for k, v in opt_state.slots.items()}
+    out, new_s = _update_skipping(
+        opt, params, grads, opt_state, step, unused - maybe.keys(), inplace
+    )
+
+    def pick(flag: Tensor, new: Tensor, old: Tensor) -> Tensor:
+        chosen = torch.where(flag, new, old)
+        return new.copy_(chosen) if inplace else chosen
+
+    for n, flag in maybe.items():
+        out[n] = pick(flag, out[n], old_p[n])
+    slots = {k: dict(v) for k, v in new_s.slots.items()}
+    for k, olds in old_s.items():
+        for n, old in olds.items():
+            slots[k][n] = pick(maybe[n], slots[k][n], old)
+    return out, new_s.replace(slots=slots)
+
+
+def _update_skipping(
+    opt: Optimizer,
+    params: Mapping[str, Tensor],
+    grads: Mapping[str, Tensor],
+    opt_state: OptState,
+    step: Tensor,
+    unused: frozenset[str] | set[str],
+    inplace: bool,
+) -> tuple[dict[str, Tensor], OptState]:
+    """:func:`update_used` without ``reached``: the ``unused`` parameters skipped."""
     skipped = [n for n in params if n in unused]
     if not skipped:
         return opt.update(params, grads, opt_state, step, inplace=inplace)
