@@ -42,6 +42,7 @@ __all__ = [
     "dynamo_reset",
     "fsdp_keeps_params_after_forward",
     "graph_pass_hash",
+    "in_functorch_transform",
     "inductor_has_option",
     "inductor_mode_options",
     "is_optimized_module",
@@ -819,3 +820,22 @@ def amp_update_scale() -> Callable[..., Any] | None:
     about twenty 0-d operations. ``None`` where this torch lacks it.
     """
     return getattr(torch, "_amp_update_scale_", None)
+
+
+# --------------------------------------------------------------------------- functorch
+
+
+def in_functorch_transform() -> bool:
+    """Whether the code runs inside a ``torch.func`` transform (``vmap``, ``grad``).
+
+    Why: the eager optimizers read a few hyperparameters to the host once per change
+    (CUDA's fused kernels and ``_foreach_lerp_``'s fast route take Python floats); under
+    ``torch.func.vmap`` those tensors hold one value per member and cannot be read
+    (``.item()`` of a batched tensor raises), so the tensor form is used there. torch
+    has no public query; ``torch._C._functorch.peek_interpreter_stack`` is what
+    ``torch._functorch`` itself consults (torch/_functorch/pyfunctorch.py). Where it is
+    missing, False: the read then raises vmap's own error.
+    """
+    functorch = getattr(torch._C, "_functorch", None)
+    peek = getattr(functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None

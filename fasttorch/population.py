@@ -58,6 +58,8 @@ class Members(struct.Record):
     # Read by the gradient phase: under torch.func.vmap, torch.autograd.grad cannot run
     # (it needs requires_grad_() on batched tensors), torch.func.grad can.
     functional_grads: ClassVar[bool] = True
+    # Read by state.check_template: every leaf has one leading dimension, the members.
+    stacks_members: ClassVar[bool] = True
 
 
 def create_population(

@@ -310,6 +310,9 @@ def check_template(state: TrainState, api: str) -> None:
         return
     own: dict[str, torch.Tensor] = dict(module.named_parameters())
     own.update(module.named_buffers())
+    # A sub-state may say that every leaf carries a leading dimension of its own (a
+    # population's members): the template's shapes are then those after it.
+    lead = 1 if any(getattr(s, "stacks_members", False) for s in state.substates.values()) else 0
     for group, tensors in (("params", state.params), ("buffers", state.buffers)):
         for name, t in tensors.items():
             ref = own.get(name)
@@ -321,7 +324,7 @@ def check_template(state: TrainState, api: str) -> None:
                     "through its own module: build it with TrainState.create(model, opt) "
                     "for the model these tensors belong to"
                 )
-            if ref.shape != t.shape:
+            if ref.shape != t.shape[lead:] or t.dim() != ref.dim() + lead:
                 raise ValueError(
                     f"{api}: state.{group}[{name!r}] has shape {tuple(t.shape)} but the "
                     f"state's module ({type(module).__name__}) has {tuple(ref.shape)} "

@@ -48,6 +48,8 @@ def kernel(name: str, lists: Sequence[Sequence[Tensor]]) -> Callable[..., Any] |
     """
     if torch.compiler.is_compiling() or not lists or not lists[0]:
         return None
+    if _compat.in_functorch_transform():  # vmap: the kernel's host hyperparameters
+        return None
     first = lists[0][0]
     if first.device.type not in FUSED_DEVICES:
         return None

@@ -9,6 +9,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from fasttorch import _compat
 from fasttorch.optim import _fused
 from fasttorch.optim._base import (
     LearningRate,
@@ -239,6 +240,9 @@ class Adam:
         """
         beta1, beta2, eps, wd = h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
         graph = torch.compiler.is_compiling()
+        # Under torch.func.vmap (a population) a hyperparameter holds one value per
+        # member: no host reads, and tensor scalars in lists, as in a graph.
+        batched = _compat.in_functorch_transform()
         dtype = p[0].dtype
 
         def factor(x: Tensor) -> Tensor:
@@ -253,7 +257,7 @@ class Adam:
         if in_cpu_graph(m):
             w = 1 - beta1
             m[:] = [mi.lerp_(gi, w.to(mi.dtype)) for mi, gi in zip(m, g)]
-        elif graph or len({t.dtype for t in m}) > 1:
+        elif graph or len({t.dtype for t in m}) > 1 or batched:
             torch._foreach_lerp_(m, g, _per_dtype(1 - beta1, m))
         else:
             torch._foreach_lerp_(m, g, _host_weight(_fused.host_float(beta1), dtype))
@@ -276,7 +280,7 @@ class Adam:
         else:
             denom = list(torch._foreach_sqrt(v))
         torch._foreach_div_(denom, bias_correction2_sqrt)
-        if graph:
+        if graph or batched:
             # A list: dynamo reads a bare 0-d tensor operand of _foreach_add_ to the host.
             torch._foreach_add_(denom, [eps] * len(denom))
             g = list(torch._foreach_div(m, denom))  # the graph plans its own memory
