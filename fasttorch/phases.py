@@ -605,7 +605,9 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         keep = g.skip
         if done is None:
             params, opt_state = pytree.tree_map(
-                lambda old, new: torch.where(keep, old, new),
+                # A tensor the update returned as it was (a hyperparameter) is kept,
+                # not copied: the fused GPU kernels know it by identity (no host read).
+                lambda old, new: new if new is old else torch.where(keep, old, new),
                 (state.params, state.opt_state),
                 (params, opt_state),
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -285,7 +286,9 @@ class Adam:
             torch._foreach_add_(denom, [eps] * len(denom))
             g = list(torch._foreach_div(m, denom))  # the graph plans its own memory
         else:
-            torch._foreach_add_(denom, factor(eps))
+            # A Python float, read once per change (_fused.host_float): CPU's kernel
+            # reads a 0-d tensor operand to the host on every call.
+            torch._foreach_add_(denom, _fused.host_float(eps))
             if inplace:
                 g = list(torch._foreach_div(m, denom))  # one launch, not one per tensor
             else:
@@ -333,8 +336,13 @@ class Adam:
         return ps, ms, vs
 
 
+@functools.lru_cache(maxsize=64)
 def _host_weight(beta1: float, dtype: torch.dtype) -> float:
-    """``1 - beta1`` as the float32 tensors compute it, then rounded to ``dtype``."""
+    """``1 - beta1`` as the float32 tensors compute it, then rounded to ``dtype``.
+
+    Cached: the rounding goes through a CPU tensor, which a step should not read
+    again for a value it has seen.
+    """
     return float(torch.tensor(1 - beta1, dtype=torch.float32).to(dtype))
 
 
