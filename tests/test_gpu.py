@@ -19,7 +19,7 @@ import copy
 import pytest
 import torch
 from reference import LayerNormNet, mse
-from tolerance import FACTOR, unit_roundoff
+from tolerance import FACTOR, gamma, unit_roundoff
 
 import fasttorch
 
@@ -377,7 +377,8 @@ def test_logger_and_set_hyperparams_under_reduce_overhead():
         state, m = step(state, b)
         log(i, m)  # keeps the loss tensor until the next logging step
         losses.append(float(m["loss"]))
-    assert logged[-1]["loss_avg"] == pytest.approx(sum(losses[3:]) / 3, rel=1e-6)
+    # A float32 sum of 3 and a division (as tests/test_loop.py bounds the same average).
+    assert logged[-1]["loss_avg"] == pytest.approx(sum(losses[3:]) / 3, rel=2 * gamma(3), abs=0)
     assert graph_counters() == {"cudagraph_skips": 0, "recompiles": 0}
 
 
