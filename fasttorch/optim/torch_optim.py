@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 import torch
@@ -27,117 +27,10 @@ from fasttorch.optim._base import (
     params_device,
     scheduled_or_fixed_lr,
 )
-
-if TYPE_CHECKING:
-    from fasttorch.state import TrainState
+from fasttorch.optim._torch_algorithms import ALGORITHMS, REFUSED, Algorithm
+from fasttorch.optim._torch_state_dict import load_torch_state_dict
 
 __all__ = ["TorchOptimizer", "from_torch", "load_torch_state_dict"]
-
-# The state lists each functional form takes after (params, grads), as torch's state keys.
-_STATE_ARGS: dict[str, tuple[str, ...]] = {
-    "Adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"),
-    "AdamW": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"),
-    "SGD": ("momentum_buffer",),
-    "RMSprop": ("square_avg", "grad_avg", "momentum_buffer", "step"),
-    "Adagrad": ("sum", "step"),
-    "Adadelta": ("square_avg", "acc_delta", "step"),
-    "Adamax": ("exp_avg", "exp_inf", "step"),
-    "NAdam": ("exp_avg", "exp_avg_sq", "mu_product", "step"),
-    "RAdam": ("exp_avg", "exp_avg_sq", "step"),
-    "ASGD": ("ax", "mu", "eta", "step"),
-    "Rprop": ("prev", "step_size", "step"),
-    "Adafactor": ("row_var", "col_var", "variance", "step"),
-    "Muon": ("momentum_buffer",),
-}
-# The functional form of each class: module, function.
-_FUNCTIONAL: dict[str, tuple[str, str]] = {
-    "Adam": ("torch.optim.adam", "adam"),
-    "AdamW": ("torch.optim.adam", "adam"),
-    "SGD": ("torch.optim.sgd", "sgd"),
-    "RMSprop": ("torch.optim.rmsprop", "rmsprop"),
-    "Adagrad": ("torch.optim.adagrad", "adagrad"),
-    "Adadelta": ("torch.optim.adadelta", "adadelta"),
-    "Adamax": ("torch.optim.adamax", "adamax"),
-    "NAdam": ("torch.optim.nadam", "nadam"),
-    "RAdam": ("torch.optim.radam", "radam"),
-    "ASGD": ("torch.optim.asgd", "asgd"),
-    "Rprop": ("torch.optim.rprop", "rprop"),
-    "Adafactor": ("torch.optim._adafactor", "adafactor"),
-    "Muon": ("torch.optim._muon", "muon"),
-}
-_REFUSED = {
-    "LBFGS": "it re-evaluates the loss through a closure several times per step, which "
-    "a pure (state, batch) step cannot offer; fasttorch computes one gradient per step",
-    "SparseAdam": "it updates from sparse gradients (nn.Embedding(sparse=True)), and "
-    "fasttorch's gradients are dense; use torch.optim.Adam or AdamW",
-}
-# Group entries that are switches of the call, not hyperparameters.
-_CONTROL = ("foreach", "fused", "capturable", "differentiable")
-
-
-def _scalar(value: float, like: Tensor) -> Tensor:
-    """A 0-d float32 tensor on ``like``'s device (torch's ``_get_scalar_dtype()``)."""
-    return torch.tensor(float(value), dtype=torch.float32, device=like.device)
-
-
-def _init_slots(name: str, p: Tensor, group: Mapping[str, Any], lr: float) -> dict[str, Tensor]:
-    """Torch's fresh per-parameter state for ``p`` (as its ``_init_group`` builds it)."""
-    z = torch.zeros_like
-    step = _scalar(0.0, p)
-    if name in ("Adam", "AdamW"):
-        s = {"exp_avg": z(p), "exp_avg_sq": z(p)}
-        if group["amsgrad"]:
-            s["max_exp_avg_sq"] = z(p)
-        return {**s, "step": step}
-    if name == "Muon":
-        return {"momentum_buffer": z(p)}
-    if name == "SGD":
-        return {"momentum_buffer": z(p)} if group["momentum"] != 0 else {}
-    if name == "RMSprop":
-        s = {"square_avg": z(p)}
-        if group["centered"]:
-            s["grad_avg"] = z(p)
-        if group["momentum"] > 0:
-            s["momentum_buffer"] = z(p)
-        return {**s, "step": step}
-    if name == "Adagrad":
-        return {"sum": torch.full_like(p, group["initial_accumulator_value"]), "step": step}
-    if name == "Adadelta":
-        return {"square_avg": z(p), "acc_delta": z(p), "step": step}
-    if name == "Adamax":
-        return {"exp_avg": z(p), "exp_inf": z(p), "step": step}
-    if name == "NAdam":
-        return {"exp_avg": z(p), "exp_avg_sq": z(p), "mu_product": _scalar(1.0, p), "step": step}
-    if name == "RAdam":
-        return {"exp_avg": z(p), "exp_avg_sq": z(p), "step": step}
-    if name == "ASGD":
-        return {"ax": z(p), "mu": _scalar(1.0, p), "eta": _scalar(lr, p), "step": step}
-    if name == "Rprop":
-        return {"prev": z(p), "step_size": torch.full_like(p, lr), "step": step}
-    if name == "Adafactor":
-        # Torch keeps Adafactor's step on the CPU and reads it with .item() each update.
-        cpu_step = torch.tensor(0.0, dtype=torch.float32)
-        if p.dim() > 1:
-            row = p.new_zeros((*p.shape[:-1], 1))
-            col = p.new_zeros((*p.shape[:-2], 1, p.shape[-1]))
-            return {"row_var": row, "col_var": col, "step": cpu_step}
-        return {"variance": z(p), "step": cpu_step}
-    raise AssertionError(name)  # unreachable: from_torch checks the name
-
-
-def _functional_kwargs(name: str, group: Mapping[str, Any]) -> dict[str, Any]:
-    """The group's hyperparameters under the functional form's keyword names."""
-    out = {k: v for k, v in group.items() if k not in ("params", "lr", *_CONTROL)}
-    if "betas" in out:
-        out["beta1"], out["beta2"] = out.pop("betas")
-    if name == "Rprop":
-        out["etaminus"], out["etaplus"] = out.pop("etas")
-        out["step_size_min"], out["step_size_max"] = out.pop("step_sizes")
-    if name == "Adafactor":
-        out["eps1"], out["eps2"] = out.pop("eps")
-    if name == "AdamW":
-        out["decoupled_weight_decay"] = True
-    return out
 
 
 @attrs.frozen
@@ -158,17 +51,18 @@ class TorchOptimizer:
     lr: LearningRate
     options: tuple[tuple[str, Any], ...] = ()
     group: tuple[tuple[str, Any], ...] = attrs.field(init=False, eq=False, repr=False)
+    _algorithm: Algorithm = attrs.field(init=False, eq=False, repr=False)
     _kernel: Callable[..., None] = attrs.field(init=False, eq=False, repr=False)
     _accepted: frozenset[str] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         name = self.cls.__name__
-        if name in _REFUSED:
-            raise ValueError(f"from_torch: torch.optim.{name} is not supported: {_REFUSED[name]}.")
-        if name not in _FUNCTIONAL or getattr(torch.optim, name, None) is not self.cls:
+        if name in REFUSED:
+            raise ValueError(f"from_torch: torch.optim.{name} is not supported: {REFUSED[name]}.")
+        if name not in ALGORITHMS or getattr(torch.optim, name, None) is not self.cls:
             raise TypeError(
                 f"from_torch: expected one of the torch.optim classes "
-                f"{sorted(_FUNCTIONAL)}, got {self.cls!r}. A new algorithm can be written "
+                f"{sorted(ALGORITHMS)}, got {self.cls!r}. A new algorithm can be written "
                 "as a fasttorch optimizer instead (see docs/optimizers.md)."
             )
         check_lr(f"from_torch({name})", self.lr)
@@ -185,18 +79,13 @@ class TorchOptimizer:
         # torch validates the hyperparameters and fills in its defaults.
         group = dict(self.cls([placeholder], lr=lr0, **options).param_groups[0])
         del group["params"]
-        if name == "SGD" and group["momentum"] != 0 and group["dampening"] != 0:
-            raise ValueError(
-                "from_torch(SGD): momentum with dampening != 0 is not supported: torch "
-                "starts the buffer as a copy of the first gradient, a choice made on the "
-                f"host (got dampening={group['dampening']!r}). Use "
-                "fasttorch.optim.sgd(lr, momentum=..., dampening=...), which matches "
-                "torch.optim.SGD there, or dampening=0."
-            )
+        algorithm = ALGORITHMS[name]
+        if algorithm.check is not None:
+            algorithm.check(group)
         object.__setattr__(self, "group", tuple(sorted(group.items())))
         # Resolved here, outside any step: dynamo does not trace importlib.
-        module, attr = _FUNCTIONAL[name]
-        kernel = getattr(importlib.import_module(module), attr)
+        kernel = getattr(importlib.import_module(algorithm.module), algorithm.function)
+        object.__setattr__(self, "_algorithm", algorithm)
         object.__setattr__(self, "_kernel", kernel)
         object.__setattr__(self, "_accepted", frozenset(inspect.signature(kernel).parameters))
 
@@ -212,12 +101,11 @@ class TorchOptimizer:
         in the compiler's own error.
         """
         name = self.cls.__name__
-        if name == "Adafactor":
+        if self._algorithm.eager_only:
             raise RuntimeError(
-                "from_torch(Adafactor) cannot run in a compiled step: torch's Adafactor "
-                "reads the step count and parameter norms with .item() in every update. "
-                "Run the step eagerly (leave out fasttorch.compiled), or pick another "
-                "algorithm."
+                f"from_torch({name}) cannot run in a compiled step: "
+                f"{self._algorithm.eager_only}. Run the step eagerly (leave out "
+                "fasttorch.compiled), or pick another algorithm."
             )
         if dict(self.group).get("fused"):
             raise RuntimeError(
@@ -238,9 +126,7 @@ class TorchOptimizer:
         group = dict(self.group)
         slots: dict[str, dict[str, Tensor]] = {}
         for n, p in params.items():
-            for key, t in _init_slots(
-                self.cls.__name__, p.detach(), group, self._lr_value()
-            ).items():
+            for key, t in self._algorithm.slots(p.detach(), group, self._lr_value()).items():
                 slots.setdefault(key, {})[n] = t
         hyper = (
             {}
@@ -269,12 +155,10 @@ class TorchOptimizer:
         count = opt_state.count.add_(1) if inplace else opt_state.count + 1
         if not names:
             return {}, opt_state.replace(count=count)
-        name = self.cls.__name__
         if _compiling():  # compiled checks this before tracing; a backstop for torch.compile
             self.check_compilable()
-        fn, accepted = self._kernel, self._accepted
+        fn, accepted, algorithm = self._kernel, self._accepted, self._algorithm
         group = dict(self.group)
-        keys = _STATE_ARGS[name]
 
         def own(t: Tensor) -> Tensor:
             return t if inplace else t.clone()
@@ -285,14 +169,12 @@ class TorchOptimizer:
             g = [own(grads[n]) for n in names]
             slots = {k: {n: own(t) for n, t in v.items()} for k, v in opt_state.slots.items()}
             lists: list[list[Any]] = []
-            for key in keys:
+            for key in algorithm.state_args:
                 if key in slots:
                     lists.append([slots[key].get(n) for n in names])
-                else:
-                    # as torch's _init_group: None per parameter where it appends
-                    # state.get(key), an empty list where it appends nothing
-                    lists.append([None] * len(names) if name in ("SGD", "Adafactor") else [])
-            kwargs = {k: v for k, v in _functional_kwargs(name, group).items() if k in accepted}
+                else:  # as torch's _init_group builds it
+                    lists.append(algorithm.missing(len(names)))
+            kwargs = {k: v for k, v in algorithm.kwargs(group).items() if k in accepted}
             kwargs.update(self._call_flags(p, group, accepted))
             if "lr" in accepted:  # Rprop reads it only to start its step sizes (init)
                 cpu_eager = not (kwargs.get("fused") or _compiling()) and lr.device.type == "cpu"
@@ -402,105 +284,4 @@ def _options(hyperparams: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     configuration of the state, compared and hashed by the compiler's guards."""
     return tuple(
         sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in hyperparams.items())
-    )
-
-
-def load_torch_state_dict(
-    state: TrainState,
-    state_dict: Mapping[str, Any],
-    *,
-    names: Sequence[str] | None = None,
-    steps: int | None = None,
-) -> TrainState:
-    """``state`` with a ``torch.optim`` optimizer's ``state_dict()`` loaded into it.
-
-    Moves a run from a plain loop onto fasttorch mid-training: the per-parameter state
-    (moments, momentum buffers, step counts) goes into ``state.opt_state``, converted
-    to the dtype and device of the state's own tensors, and the number of steps taken
-    into ``state.step`` and ``opt_state.count`` (schedules continue where they were).
-    With one parameter group its ``lr`` becomes ``opt_state.hyper["lr"]`` (unless the
-    learning rate is a schedule). Parameters themselves come from the module, as usual.
-
-    Equivalent to ``opt.load_state_dict(state_dict)`` on the plain loop's optimizer.
-
-    Args:
-        state: a state built with the same algorithm (``from_torch(torch.optim.X)``, or
-            fasttorch's ``adam``/``adamw``/``sgd``, whose slots have torch's names).
-        state_dict: ``opt.state_dict()`` of the torch optimizer.
-        names: the parameter name of each of torch's parameter indices (in the order
-            the optimizer was given them); default ``list(state.params)``, right for
-            ``torch.optim.X(model.parameters())`` when every parameter is trained.
-        steps: optimizer steps taken so far; default torch's own ``"step"`` count
-            (needed for SGD, whose state has none).
-
-    Returns:
-        A new ``TrainState``; ``state`` is unchanged.
-
-    Raises:
-        ValueError: the parameter counts differ, torch's state has an entry this
-            optimizer does not keep (e.g. ``amsgrad`` on one side only), a shape
-            differs, or the step count is unknown.
-
-    Example:
-        >>> import torch, fasttorch
-        >>> model = torch.nn.Linear(2, 1)
-        >>> opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-        >>> model(torch.ones(1, 2)).sum().backward(); opt.step()
-        >>> state = fasttorch.TrainState.create(
-        ...     model, fasttorch.optim.from_torch(torch.optim.AdamW, 0.1))
-        >>> state = fasttorch.optim.load_torch_state_dict(state, opt.state_dict())
-        >>> int(state.step), state.opt_state.slots["exp_avg"]["bias"]
-        (1, tensor([0.1000]))
-    """
-    names = list(state.params) if names is None else list(names)
-    indices = [i for g in state_dict["param_groups"] for i in g["params"]]
-    if len(indices) != len(names):
-        raise ValueError(
-            f"load_torch_state_dict: the torch optimizer has {len(indices)} parameters and "
-            f"the state trains {len(names)} ({names[:5]}...). Pass names=[...] giving the "
-            "fasttorch parameter name of each torch parameter, in the optimizer's order."
-        )
-    by_index = dict(zip(indices, names))
-    opt_state = state.opt_state
-    slots = {k: dict(v) for k, v in opt_state.slots.items()}
-    taken: int | None = None
-    for index, entries in state_dict["state"].items():
-        name = by_index[index]
-        for key, value in entries.items():
-            if key == "step" and "step" not in slots:
-                taken = int(value)
-                continue
-            if key not in slots or name not in slots[key]:
-                raise ValueError(
-                    f"load_torch_state_dict: torch's state of {name!r} has {key!r}, which "
-                    f"{type(state.optimizer).__name__} does not keep (it keeps "
-                    f"{sorted(k for k, v in slots.items() if name in v)}). Build the "
-                    "fasttorch optimizer with the same algorithm and options."
-                )
-            old = slots[key][name]
-            value = torch.as_tensor(value)
-            if value.shape != old.shape:
-                raise ValueError(
-                    f"load_torch_state_dict: {key!r} of {name!r} has shape "
-                    f"{tuple(value.shape)} in torch's state, {tuple(old.shape)} here."
-                )
-            slots[key][name] = value.detach().to(dtype=old.dtype, device=old.device).clone()
-            if key == "step":
-                taken = int(value)
-    taken = steps if steps is not None else taken
-    if taken is None:
-        raise ValueError(
-            "load_torch_state_dict: torch's state does not say how many steps were taken "
-            "(SGD keeps no count); pass steps=N, the number of optimizer steps so far."
-        )
-    hyper = dict(opt_state.hyper)
-    groups_ = state_dict["param_groups"]
-    if len(groups_) == 1 and "lr" in hyper:
-        hyper["lr"] = torch.as_tensor(float(groups_[0]["lr"]), dtype=hyper["lr"].dtype).to(
-            hyper["lr"].device
-        )
-    count = torch.full_like(opt_state.count, taken)
-    return state.replace(
-        opt_state=opt_state.replace(count=count, hyper=hyper, slots=slots),
-        step=torch.full_like(state.step, taken),
     )
