@@ -17,12 +17,36 @@ import functools
 import math
 import numbers
 import warnings
+from typing import TypeGuard
 
-__all__ = ["ArgumentTypeError", "count", "flag", "real", "warn_once"]
+__all__ = ["ArgumentTypeError", "count", "flag", "is_int", "is_real", "real", "warn_once"]
 
 
 class ArgumentTypeError(TypeError, ValueError):
     """An argument of the wrong type (a ``TypeError``, and a ``ValueError``)."""
+
+
+def is_real(value: object) -> TypeGuard[numbers.Real]:
+    """Whether ``value`` is a real number and not a bool (``True`` is an ``int``).
+
+    For code that sorts values rather than refusing them (which metrics to log, what a
+    file holds); an argument is checked with :func:`real`.
+
+    Example:
+        >>> is_real(0.5), is_real(3), is_real(True), is_real("1")
+        (True, True, False, False)
+    """
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_int(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is an ``int`` and not a bool; an argument is checked with :func:`count`.
+
+    Example:
+        >>> is_int(3), is_int(3.0), is_int(False)
+        (True, False, False)
+    """
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _shown(value: object) -> str:
@@ -46,13 +70,15 @@ def real(
     high_open: bool = False,
     finite: bool = True,
     kind: str = "a number (an int or a float, not a bool)",
+    rule: str = "",
     hint: str = "",
 ) -> float:
     """``float(value)`` once it is checked to be a real number (not a bool) in range.
 
     ``low``/``high`` bound it (inclusive unless ``low_open``/``high_open``); ``finite``
     refuses inf and NaN (NaN also fails any bound). ``kind`` says what a value of the
-    wrong type should have been; ``hint`` ends the error message.
+    wrong type should have been, ``rule`` what a value out of range should have been
+    (default: the bounds, "finite and >= 0"); ``hint`` ends the error message.
 
     Example:
         >>> real("sgd", "lr", 3)
@@ -67,9 +93,9 @@ def real(
         fasttorch._checks.ArgumentTypeError: sgd: lr must be a number (an int or a float...
     """
     end = f" {hint}" if hint else ""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_real(value):
         raise ArgumentTypeError(f"{api}: {name} must be {kind}, got {_given(value)}.{end}")
-    rule = _rule(low, low_open, high, high_open, finite)
+    rule = rule or _rule(low, low_open, high, high_open, finite)
     try:
         x = float(value)
     except OverflowError:
@@ -99,8 +125,13 @@ def _rule(
     return " and ".join(parts) or "a number"
 
 
-def count(api: str, name: str, value: object, *, low: int = 1, hint: str = "") -> int:
+def count(
+    api: str, name: str, value: object, *, low: int = 1, kind: str = "", hint: str = ""
+) -> int:
     """``value`` once it is checked to be an ``int`` (not a bool) ``>= low``.
+
+    ``kind`` words what is valid (default "an integer >= low"); ``hint`` ends the error
+    message.
 
     Example:
         >>> count("grad_accumulate", "n", 4)
@@ -111,7 +142,8 @@ def count(api: str, name: str, value: object, *, low: int = 1, hint: str = "") -
         fasttorch._checks.ArgumentTypeError: grad_accumulate: n must be an integer >= 1, got '4'...
     """
     end = f" {hint}" if hint else ""
-    message = f"{api}: {name} must be an integer >= {low}, got {_given(value)}.{end}"
+    kind = kind or f"an integer >= {low}"
+    message = f"{api}: {name} must be {kind}, got {_given(value)}.{end}"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ArgumentTypeError(message)
     if value < low:

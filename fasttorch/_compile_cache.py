@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 from fasttorch import _compat
+from fasttorch._checks import warn_once
 
 __all__ = ["check_cache_dir", "use_cache_dir"]
 
@@ -45,8 +46,6 @@ def check_cache_dir(value: Any, backend: Any) -> str | None:
 
 def use_cache_dir(path: str) -> None:
     """Make ``path`` this process's inductor cache directory (before the first compile)."""
-    from fasttorch.steps import warn_once
-
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if before is not None and os.path.abspath(before) != path:
         warn_once(

@@ -15,13 +15,15 @@ from contextlib import contextmanager
 
 import torch
 
+from fasttorch import _checks
+
 __all__ = ["initial_rng_state", "scoped_rng"]
 
 
 def initial_rng_state(device: torch.device, seed: int) -> torch.Tensor:
     """The generator state of ``device``'s generator seeded with ``seed``."""
     # torch.Generator.manual_seed takes 64 bits; beyond that it says "Overflow when unpacking".
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not _checks.is_int(seed):
         raise TypeError(f"TrainState.create: seed must be an int, got {seed!r}")
     if not -(2**63) <= seed < 2**64:
         raise ValueError(

@@ -16,6 +16,8 @@ from typing import Any, TextIO
 
 import torch
 
+from fasttorch import _checks
+
 __all__ = ["CSVWriter", "JSONLWriter", "TensorBoardWriter", "scalars"]
 
 
@@ -28,9 +30,7 @@ def scalars(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
     for k, v in metrics.items():
         if isinstance(v, Mapping):
             out.update(scalars(v, f"{prefix}{k}/"))
-        elif (isinstance(v, torch.Tensor) and v.numel() == 1) or (
-            isinstance(v, (int, float)) and not isinstance(v, bool)
-        ):
+        elif (isinstance(v, torch.Tensor) and v.numel() == 1) or _checks.is_real(v):
             out[prefix + k] = float(v)
     return out
 

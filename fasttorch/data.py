@@ -262,9 +262,7 @@ def _tensor_from_json(obj: dict[str, Any]) -> torch.Tensor:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"from_json: unknown tensor dtype {name!r}")
     shape, data = obj.get("shape"), obj.get("data")
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-    ):
+    if not isinstance(shape, list) or not all(_checks.is_int(d) and d >= 0 for d in shape):
         raise ValueError(
             f"from_json: a {_TENSOR!r} entry needs 'shape', a list of integers >= 0 (as "
             f"to_json writes it), got {shape!r}"

@@ -25,7 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fasttorch import struct
+from fasttorch import _checks, struct
 from fasttorch._rng import initial_rng_state
 from fasttorch.optim._base import check_hyper
 from fasttorch.state import TrainState, check_alive, is_sharded
@@ -116,8 +116,7 @@ def create_population(
         >>> pop.opt_state.hyper["lr"]
         tensor([0.1000, 0.2000, 0.3000, 0.4000])
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"create_population: n must be an integer >= 1, got {n!r}")
+    _checks.count("create_population", "n", n)
     check_optimizer(optimizer, "create_population")
     modules = _member_modules(model, n, init, seeds)
     for m in modules:
@@ -298,7 +297,7 @@ def member(state: TrainState, i: int) -> TrainState:
         ((1, 3), 0)
     """
     n = population_size(state)
-    if isinstance(i, bool) or not isinstance(i, int) or not -n <= i < n:
+    if not _checks.is_int(i) or not -n <= i < n:
         raise IndexError(f"member: index {i!r} out of range for a population of {n}")
     return member_view(state, i, copy=True)
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import torch
 
-from fasttorch import _compat
+from fasttorch import _checks, _compat
 
 __all__ = ["DeviceTuning", "tune_device"]
 
@@ -117,8 +117,7 @@ def tune_device(
     ):
         if value is not None and not isinstance(value, bool):
             raise TypeError(f"tune_device: {name} must be True, False or None, got {value!r}")
-    if not isinstance(autograd_profiler, bool):
-        raise TypeError(f"tune_device: autograd_profiler must be a bool, got {autograd_profiler!r}")
+    _checks.flag("tune_device", "autograd_profiler", autograd_profiler)
     if not autograd_profiler and _compat.autograd_profiler_enabled():
         raise RuntimeError(
             "tune_device: an autograd profiler (torch.profiler.profile or "

@@ -4,7 +4,9 @@ given and what is valid in the message; the state given to a step is not consume
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -55,6 +57,66 @@ def test_warn_once_lives_in_checks_and_steps_keeps_its_name():
     from fasttorch import steps
 
     assert steps.warn_once is _checks.warn_once
+
+
+PACKAGE = Path(fasttorch.__file__).resolve().parent
+
+
+def _trees() -> dict[str, ast.Module]:
+    return {
+        f.relative_to(PACKAGE.parent).as_posix(): ast.parse(f.read_text())
+        for f in sorted(PACKAGE.rglob("*.py"))
+    }
+
+
+def test_every_module_takes_warn_once_from_checks():
+    # A module that needs only warn_once should not import the step machinery for it.
+    elsewhere = [
+        f"{path}:{node.lineno} (from {node.module})"
+        for path, tree in _trees().items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and any(a.name == "warn_once" for a in node.names)
+        and node.module != "fasttorch._checks"
+    ]
+    assert not elsewhere
+
+
+def _isinstance_of(node: ast.expr) -> tuple[str, set[str]] | None:
+    """``("x", {"int", "float"})`` for ``isinstance(x, (int, float))``, else None."""
+    if not (isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance"):
+        return None
+    target, types = node.args
+    names = types.elts if isinstance(types, ast.Tuple) else [types]
+    return ast.unparse(target), {ast.unparse(t) for t in names}
+
+
+def test_number_checks_are_the_shared_ones():
+    # `isinstance(x, bool) or not isinstance(x, int)`, and its variants, written by
+    # hand: the rule "a number, not a bool" lives in _checks (real, count, is_real, is_int).
+    found = []
+    for path, tree in _trees().items():
+        if path == "fasttorch/_checks.py":
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.BoolOp):
+                continue
+            tests = [
+                _isinstance_of(v.operand if isinstance(v, ast.UnaryOp) else v) for v in node.values
+            ]
+            # (a JSON scalar check, isinstance(x, (bool, int, str)), accepts bools: not one)
+            subjects = {t[0] for t in tests if t and t[1] == {"bool"}}
+            numeric = {t[0] for t in tests if t and t[1] & {"int", "float"} and "bool" not in t[1]}
+            if subjects & numeric:
+                found.append(f"{path}:{node.lineno}: {ast.unparse(node)[:60]}")
+    assert not found, found
+
+
+def test_the_scan_finds_a_hand_written_number_check():
+    tree = ast.parse("if isinstance(n, bool) or not isinstance(n, (int, float)) or n < 1: pass")
+    (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.BoolOp)]
+    assert _isinstance_of(node.values[0]) == ("n", {"bool"})
+    assert _isinstance_of(node.values[1].operand) == ("n", {"int", "float"})
 
 
 BAD_ARGUMENTS: list[tuple[str, Callable[[], object], type[Exception], str]] = [

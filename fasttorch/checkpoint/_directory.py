@@ -17,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from fasttorch import _checks
 from fasttorch.checkpoint._errors import CheckpointError
 from fasttorch.checkpoint._manifest import _has_manifest, _read_manifest, verify
 from fasttorch.checkpoint._patchable import patchable
@@ -311,10 +312,8 @@ class _Keep:
 
 def _check_keep(api: str, keep_last: Any, keep_best: Any, mode: Any, *, saving: bool) -> _Keep:
     for what, value in (("keep_last", keep_last), ("keep_best", keep_best)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ValueError(f"{api}: {what} must be None or an integer >= 1, got {value!r}")
+        if value is not None:
+            _checks.count(api, what, value, kind="None or an integer >= 1")
     if mode not in ("min", "max"):
         raise ValueError(
             f"{api}: mode must be 'min' (lower metric is better, a loss) or 'max' (an "

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from fasttorch import _checks
 from fasttorch.checkpoint._errors import CheckpointError
 from fasttorch.checkpoint._keys import _SCALARS
 from fasttorch.checkpoint._paths import _is_link, _path_arg
@@ -93,11 +94,11 @@ _SHA = re.compile(r"[0-9a-f]{64}")
 
 
 def _is_int(x: Any, low: int = 0, high: int = _INT64) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and low <= x < high
+    return _checks.is_int(x) and low <= x < high
 
 
 def _is_finite(x: Any) -> bool:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
+    if not _checks.is_real(x):
         return False
     try:
         return math.isfinite(x)

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 
+from fasttorch import _checks
 from fasttorch.checkpoint._directory import (
     _OLD,
     _TMP,
@@ -43,7 +44,7 @@ from fasttorch.checkpoint._keys import (
     _shards,
     _statics,
 )
-from fasttorch.checkpoint._manifest import FORMAT, MANIFEST, _is_finite
+from fasttorch.checkpoint._manifest import FORMAT, MANIFEST
 from fasttorch.checkpoint._patchable import patchable
 from fasttorch.checkpoint._paths import _dir_arg, _is_link
 from fasttorch.distributed.fsdp import as_dtensor
@@ -67,13 +68,16 @@ def _check_metric(api: str, metric: Any) -> float | None:
         return None
     if isinstance(metric, torch.Tensor) and metric.numel() == 1 and not metric.is_complex():
         metric = metric.detach().reshape(()).item()
-    if isinstance(metric, bool) or not isinstance(metric, (int, float)) or not _is_finite(metric):
-        raise ValueError(
-            f"{api}: metric must be a finite number (or a one-element tensor), got "
-            f"{metric!r}. Pass None for a checkpoint that must not compete for keep_best "
-            "(a diverged run's NaN loss, for instance)"
-        )
-    return float(metric)
+    valid = "a finite number (or a one-element tensor)"
+    return _checks.real(
+        api,
+        "metric",
+        metric,
+        kind=valid,
+        rule=valid,
+        hint="Pass None for a checkpoint that must not compete for keep_best (a diverged "
+        "run's NaN loss, for instance).",
+    )
 
 
 def _plan(

@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fasttorch import _compat, _scope
+from fasttorch._checks import warn_once
 from fasttorch.distributed.reducer import (
     DistributedStepError,
     SyncConfig,
@@ -55,7 +56,7 @@ from fasttorch.phases import (
     skip_empty_window,
 )
 from fasttorch.state import TrainState, local_tensor, reshard
-from fasttorch.steps import Step, apply_update, warn_once
+from fasttorch.steps import Step, apply_update
 
 __all__ = ["as_dtensor", "run_sharded_window", "sharded_leaves", "sharded_parameters"]
 

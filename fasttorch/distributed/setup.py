@@ -10,10 +10,10 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from fasttorch._checks import warn_once
 from fasttorch._rng import initial_rng_state
 from fasttorch.distributed.fsdp import sharded_leaves
 from fasttorch.state import TrainState, check_alive
-from fasttorch.steps import warn_once
 
 __all__ = ["backend_for", "replicate", "setup"]
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from fasttorch import _checks
 from fasttorch.distributed.fsdp import run_sharded_window
 from fasttorch.distributed.reducer import SyncConfig, WindowReduction
 from fasttorch.donation import commit
@@ -125,8 +126,15 @@ def sync_on_last(
         ('grad_accumulate', 'sync_on_last')
     """
     check_wrap(step, "sync_on_last")
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
-        raise ValueError(f"sync_on_last: bucket_mb must be a number > 0, got {bucket_mb!r}")
+    _checks.real(
+        "sync_on_last",
+        "bucket_mb",
+        bucket_mb,
+        low=0.0,
+        low_open=True,
+        finite=False,
+        rule="a number > 0",
+    )
     if not isinstance(timeout, datetime.timedelta):
         raise TypeError(f"sync_on_last: timeout must be a datetime.timedelta, got {timeout!r}")
     return step.with_phases(

@@ -23,12 +23,13 @@ import torch
 import torch.utils._pytree as pytree
 
 from fasttorch import _checks, _compat
+from fasttorch._checks import warn_once
 from fasttorch._compile_cache import check_cache_dir, use_cache_dir
 from fasttorch._recompiles import DEFAULT_LIMIT, Recompiles
 from fasttorch.donation import kept_leaves
 from fasttorch.phases import Batch, Metrics
 from fasttorch.state import TrainState, is_sharded
-from fasttorch.steps import Runner, Step, check_wrap, warn_once
+from fasttorch.steps import Runner, Step, check_wrap
 from fasttorch.transforms._cpu_gemm import CpuGemm, HalfGemmInFloat32, half_gemm_dtypes
 
 __all__ = ["Compiler", "compile_step_fn", "compiled"]
@@ -172,13 +173,12 @@ def compiled(
         1
     """
     _check_arguments(mode, backend, fullgraph, dynamic)
-    if isinstance(recompile_limit, bool) or not isinstance(recompile_limit, int):
-        raise TypeError(f"compiled: recompile_limit must be an int >= 1, got {recompile_limit!r}")
-    if recompile_limit < 1:
-        raise ValueError(
-            f"compiled: recompile_limit={recompile_limit}; it counts compiled versions of "
-            "each function, the first compile included, so it must be >= 1"
-        )
+    _checks.count(
+        "compiled",
+        "recompile_limit",
+        recompile_limit,
+        hint="It counts compiled versions of each function, the first compile included.",
+    )
     opts: dict[str, Any] = {"fullgraph": fullgraph, "dynamic": dynamic, "backend": backend}
     opts["recompile_limit"] = recompile_limit
     opts["cache_dir"] = check_cache_dir(cache_dir, backend)

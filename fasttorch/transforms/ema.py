@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from fasttorch import struct
+from fasttorch import _checks, struct
 from fasttorch.phases import GradOut, Metrics, Tensors
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, check_wrap
@@ -83,19 +81,19 @@ def ema(step: Step, decay: float, *, warmup: float | None = None) -> Step:
         (['ema'], 1)
     """
     check_wrap(step, "ema")
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)):
-        raise TypeError(f"ema: decay must be a number in [0, 1), got {type(decay).__name__}")
-    if not 0.0 <= decay < 1.0:
-        raise ValueError(f"ema: decay must be in [0, 1) (0.999 is common), got {decay}")
-    if warmup is not None and (
-        isinstance(warmup, bool)
-        or not isinstance(warmup, (int, float))
-        or not (warmup > 1 and math.isfinite(warmup))
-    ):
-        raise ValueError(
-            f"ema: warmup must be None or a finite number > 1 (10 gives TensorFlow's "
-            f"min(decay, (1 + t) / (10 + t))), got {warmup!r}"
-        )
+    _checks.real(
+        "ema",
+        "decay",
+        decay,
+        low=0.0,
+        high=1.0,
+        high_open=True,
+        kind="a number in [0, 1)",
+        rule="in [0, 1) (0.999 is common)",
+    )
+    if warmup is not None:
+        valid = "None or a finite number > 1 (10 gives TensorFlow's min(decay, (1 + t) / (10 + t)))"
+        _checks.real("ema", "warmup", warmup, low=1.0, low_open=True, kind=valid, rule=valid)
     inner = step.update
     rate = 1.0 - float(decay)
 

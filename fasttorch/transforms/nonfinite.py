@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fasttorch import struct
+from fasttorch import _checks, struct
 from fasttorch._late import LateRead
 from fasttorch.phases import GradOut, Metrics, keep_buffers, mark_skip, unscaled_norm
 from fasttorch.state import TrainState, check_alive
@@ -129,14 +129,12 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 20) -> Step:
         fasttorch.transforms.nonfinite.NonFiniteError: step 'loss_fn': the last 2 updates ...
     """
     check_wrap(step, "skip_nonfinite")
-    if max_consecutive is not None and (
-        isinstance(max_consecutive, bool)
-        or not isinstance(max_consecutive, int)
-        or max_consecutive < 1
-    ):
-        raise ValueError(
-            "skip_nonfinite: max_consecutive must be an integer >= 1, or None to never "
-            f"raise; got {max_consecutive!r}"
+    if max_consecutive is not None:
+        _checks.count(
+            "skip_nonfinite",
+            "max_consecutive",
+            max_consecutive,
+            kind="an integer >= 1, or None to never raise",
         )
     inner = step.update
 

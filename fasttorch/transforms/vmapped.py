@@ -25,7 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from fasttorch import _compat, _scope
+from fasttorch import _checks, _compat, _scope
 from fasttorch.donation import commit
 from fasttorch.phases import Batch, Metrics
 from fasttorch.population import (
@@ -98,8 +98,7 @@ def vmapped(step: Step, n: int, *, in_dims: InDims = None) -> Step:
     """
     check_wrap(step, "vmapped")
     _compat.register_foreach_batching(_per_tensor)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"vmapped: n must be an integer >= 1, got {n!r}")
+    _checks.count("vmapped", "n", n)
     if step.finish is not None or "sync_on_last" in step.transforms:
         raise ValueError(
             "vmapped cannot wrap a step with sync_on_last: its reduction across ranks "
@@ -142,8 +141,7 @@ def vmapped_eval(
     _compat.register_foreach_batching(_per_tensor)
     if not callable(fn):
         raise TypeError(f"vmapped_eval expects an evaluation function, got {type(fn).__name__}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"vmapped_eval: n must be an integer >= 1, got {n!r}")
+    _checks.count("vmapped_eval", "n", n)
 
     def evaluate(state: TrainState, batch: Batch) -> Metrics:
         _check_state(state, n)

@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from fasttorch import _checks, _compat, _scope, struct
+from fasttorch._checks import warn_once
 from fasttorch._late import LateRead
 from fasttorch.optim._fused import float_flag
 from fasttorch.phases import (
@@ -23,7 +24,7 @@ from fasttorch.phases import (
     unscaled_norm,
 )
 from fasttorch.state import TrainState
-from fasttorch.steps import Step, check_wrap, warn_once
+from fasttorch.steps import Step, check_wrap
 
 __all__ = ["KEY", "LossScaleState", "resolve_precision", "with_amp"]
 
