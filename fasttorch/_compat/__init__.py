@@ -1,0 +1,130 @@
+"""Every use of a private torch API in fasttorch, in one place: this package.
+
+A torch upgrade should touch this package only, one module per area of torch:
+``dynamo``, ``inductor``, ``cudagraphs``, ``aten`` (private ops and CPU queries),
+``distributed`` (DCP, FSDP2), ``functorch`` and ``releases`` (the checks that can only
+read the version). Each entry is feature-detected where there is a feature to detect
+(a release check says why there is none), says why fasttorch needs it, and names the
+upstream code or issue it depends on. Nothing else in the package imports
+``torch._dynamo``, ``torch._inductor`` or ``torch._C``, or calls a private ATen op.
+
+Every name is re-exported here: the rest of fasttorch, and its tests, use
+``fasttorch._compat.X``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from fasttorch._compat.aten import (
+    CPU_ATTENTION,
+    CPU_ATTENTION_BACKWARD,
+    amp_update_scale,
+    assert_async,
+    autograd_profiler_enabled,
+    cpu_has_amx_fp16,
+    cpu_has_bf16_units,
+    fused_optimizer_kernel,
+    tensor_version,
+)
+from fasttorch._compat.cudagraphs import (
+    CudagraphVerdict,
+    cudagraph_check_backend,
+    cudagraph_skips,
+    is_static_address,
+    mark_static_addresses,
+)
+from fasttorch._compat.distributed import (
+    DcpMetadataUnpickler,
+    fsdp_keeps_params_after_forward,
+)
+from fasttorch._compat.dynamo import (
+    compile_backends,
+    compile_phase_seconds,
+    dynamo_counters,
+    dynamo_reset,
+    guard_failures,
+    is_optimized_module,
+    recompile_budget,
+    recompile_budget_enforced,
+    recompile_limit_hit,
+    tracing_autograd_ops,
+)
+from fasttorch._compat.functorch import (
+    in_functorch_transform,
+    register_foreach_batching,
+)
+from fasttorch._compat.inductor import (
+    CombinedGraphPass,
+    CustomGraphPass,
+    compile_modes,
+    cpp_compile_error,
+    cpu_isa_probe,
+    graph_pass_hash,
+    inductor_cache_counts,
+    inductor_caches_disabled,
+    inductor_has_option,
+    inductor_mode_options,
+    use_inductor_cache_dir,
+)
+from fasttorch._compat.releases import (
+    AUTOGRAD_GRAD_IN_GRAPH,
+    cpu_gemm_pass_works,
+)
+
+__all__ = [
+    "AUTOGRAD_GRAD_IN_GRAPH",
+    "CPU_ATTENTION",
+    "CPU_ATTENTION_BACKWARD",
+    "CombinedGraphPass",
+    "CudagraphVerdict",
+    "CustomGraphPass",
+    "DcpMetadataUnpickler",
+    "amp_update_scale",
+    "assert_async",
+    "autograd_profiler_enabled",
+    "compile_backends",
+    "compile_modes",
+    "compile_phase_seconds",
+    "cpp_compile_error",
+    "cpu_gemm_pass_works",
+    "cpu_has_amx_fp16",
+    "cpu_has_bf16_units",
+    "cpu_isa_probe",
+    "cudagraph_check_backend",
+    "cudagraph_skips",
+    "dynamo_counters",
+    "dynamo_reset",
+    "fsdp_keeps_params_after_forward",
+    "fused_optimizer_kernel",
+    "graph_pass_hash",
+    "guard_failures",
+    "in_functorch_transform",
+    "inductor_cache_counts",
+    "inductor_caches_disabled",
+    "inductor_has_option",
+    "inductor_mode_options",
+    "is_optimized_module",
+    "is_static_address",
+    "mark_static_addresses",
+    "recompile_budget",
+    "recompile_budget_enforced",
+    "recompile_limit_hit",
+    "register_foreach_batching",
+    "repr_context",
+    "tensor_version",
+    "tracing_autograd_ops",
+    "use_inductor_cache_dir",
+]
+
+repr_context = threading.local()
+"""Read by the ``__repr__`` that attrs generates for a class of a module importing this one.
+
+Why (attrs, not torch): attrs compiles a class's generated methods in one namespace
+that it fills with the class's module's globals (``attr/_make.py``, ``_make_init_script``
+and ``_ClassBuilder``'s merged snippets); its ``__repr__`` then looks up
+``_compat.repr_context`` (attrs' own module, for recursive reprs), but in a module with
+``from fasttorch import _compat`` it finds this module instead, and ``repr()`` of an
+fp16 ``with_amp`` step or a ``compiled`` step raised ``AttributeError``. The same
+thread-local here keeps those reprs working whatever order attrs merges in.
+"""

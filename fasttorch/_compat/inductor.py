@@ -1,0 +1,209 @@
+"""Inductor: its options and modes, the C++ build, the graph passes fasttorch installs
+and the on-disk caches a warm start reads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CombinedGraphPass",
+    "CustomGraphPass",
+    "compile_modes",
+    "cpp_compile_error",
+    "cpu_isa_probe",
+    "graph_pass_hash",
+    "inductor_cache_counts",
+    "inductor_caches_disabled",
+    "inductor_has_option",
+    "inductor_mode_options",
+    "use_inductor_cache_dir",
+]
+
+
+def inductor_has_option(name: str) -> bool:
+    """Whether this torch's inductor knows the config option ``name``.
+
+    Why: options come and go between releases (``cpp_wrapper_build_separate`` appeared
+    in 2.8); passing an unknown one to ``torch.compile`` is an error.
+    """
+    from torch._inductor import config
+
+    return hasattr(config, name)
+
+
+def inductor_mode_options(mode: str, dynamic: bool | None) -> dict[str, Any]:
+    """The inductor options a ``torch.compile`` mode stands for.
+
+    Why: ``torch.compile`` takes ``mode`` or ``options``, not both; to add an option to a
+    mode, fasttorch expands the mode as ``torch.compile`` itself does
+    (``torch._inductor.list_mode_options``).
+    """
+    from torch._inductor import list_mode_options
+
+    return dict(list_mode_options(mode, dynamic))
+
+
+def cpp_compile_error(err: BaseException) -> BaseException | None:
+    """The C++ compiler's error in ``err``'s chain of causes, if there is one.
+
+    Why: ``compiled`` retries a two-file C++ build that it chose as one file when the
+    compiler fails; inductor raises ``torch._inductor.exc.CppCompileError`` for that.
+    """
+    try:
+        from torch._inductor.exc import CppCompileError
+    except ImportError:  # renamed upstream: no retry, the error goes to the caller
+        return None
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        if isinstance(e, CppCompileError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def cpu_isa_probe() -> Callable[[], Any] | None:
+    """Inductor's probe of the C++ compiler's vector instruction sets, if it has one.
+
+    Why: ``compiled`` starts it in a thread while dynamo traces, so a cold CPU compile
+    does not wait 7-16 s for it (``torch._inductor.cpu_vec_isa.valid_vec_isa_list``,
+    cached by inductor for the process).
+    """
+    try:
+        from torch._inductor import cpu_vec_isa
+    except ImportError:
+        return None
+    probe = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
+    return probe if callable(probe) else None
+
+
+class CustomGraphPass:
+    """The base of fasttorch's inductor graph passes: an inductor ``CustomGraphPass``.
+
+    Why not inductor's class itself: importing it loads inductor (seconds), and every
+    ``import fasttorch`` would pay for it. Inductor only asks ``isinstance(p,
+    CustomGraphPass)`` and calls ``uuid()`` (``torch/_inductor/codecache.py``, for its
+    cache key), and its class is an ABC on every supported release
+    (``torch/_inductor/custom_graph_pass.py``): each subclass here is registered as a
+    virtual subclass of it when its first instance is made, which is before inductor
+    sees one.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        _register_graph_pass(cls)
+        return super().__new__(cls)
+
+    def uuid(self) -> Any:
+        """The pass's cache key; ``None``: never cache the graphs it ran on."""
+        return None
+
+
+_REGISTERED: set[type] = set()
+
+
+def _register_graph_pass(cls: type) -> None:
+    if cls in _REGISTERED:
+        return
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass as Inductors
+    except ImportError:  # pragma: no cover - every supported release has it
+        return
+    Inductors.register(cls)
+    _REGISTERED.add(cls)
+
+
+def graph_pass_hash(paths: tuple[str, ...], extra: str) -> Any:
+    """A cache key for a graph pass defined in ``paths`` with settings ``extra``."""
+    try:
+        from torch._inductor.custom_graph_pass import get_hash_for_files
+    except ImportError:  # pragma: no cover - every supported release has it
+        return repr((paths, extra)).encode()
+    return get_hash_for_files(paths, extra)
+
+
+class CombinedGraphPass(CustomGraphPass):
+    """Several graph passes as one, run in order.
+
+    Why: inductor releases up to 2.12 call ``post_grad_custom_pre_pass`` directly, so a
+    list there fails with "'list' object is not callable"; one pass object works on
+    every release (``torch/_inductor/fx_passes/post_grad.py``).
+    """
+
+    def __init__(self, passes: list[Any]) -> None:
+        self.passes = list(passes)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self) -> Any:
+        """One key from the parts' keys; ``None`` (never cache) if any part has none."""
+        parts = [p.uuid() if hasattr(p, "uuid") else None for p in self.passes]
+        return None if any(u is None for u in parts) else repr(parts)
+
+
+def compile_modes() -> tuple[str, ...]:
+    """The ``mode`` names ``torch.compile`` accepts on this torch release.
+
+    Why: a typo in ``compiled(mode=...)`` is otherwise found by inductor at the step's
+    first call, after the state was donated. ``torch._inductor.list_mode_options()``
+    (``torch/_inductor/__init__.py``) is the table ``torch.compile`` reads the mode
+    from; ``"default"`` is in it. Imported here, on first use, so that importing
+    fasttorch does not load inductor.
+    """
+    from torch._inductor import list_mode_options
+
+    return tuple(list_mode_options())
+
+
+def use_inductor_cache_dir(path: str) -> None:
+    """Point inductor's on-disk caches (FX graphs, AOT autograd, kernels) at ``path``.
+
+    Why: inductor has one cache directory per process, read from
+    ``TORCHINDUCTOR_CACHE_DIR`` when it first needs it and memoized in
+    ``functools`` caches it registers (``torch/_inductor/runtime/cache_dir_utils.py``
+    ``temporary_cache_dir`` clears them the same way, ``torch._inductor.utils.clear_caches``).
+    Setting the variable after a compile would otherwise reach only part of inductor.
+    """
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+    try:
+        from torch._inductor.utils import clear_caches
+    except ImportError:  # pragma: no cover - every supported release has it
+        return
+    clear_caches()
+
+
+def inductor_caches_disabled() -> str | None:
+    """Which of inductor's persistent caches is switched off in this process, if any.
+
+    Why: ``compiled(..., cache_dir=)`` warms a later process only through inductor's FX
+    graph cache and AOT autograd's cache (``torch._inductor.config.fx_graph_cache``,
+    ``force_disable_caches``; ``torch._functorch.config.enable_autograd_cache``).
+    """
+    from torch._inductor import config as inductor
+
+    if getattr(inductor, "force_disable_caches", False):
+        return "torch._inductor.config.force_disable_caches"
+    if not getattr(inductor, "fx_graph_cache", True):
+        return "torch._inductor.config.fx_graph_cache"
+    functorch = importlib.import_module("torch._functorch.config")
+    if not getattr(functorch, "enable_autograd_cache", True):
+        return "torch._functorch.config.enable_autograd_cache"
+    return None
+
+
+def inductor_cache_counts() -> dict[str, int]:
+    """Inductor's FX graph cache hits and misses in this process (``counters["inductor"]``).
+
+    Why: the warm-start test and benchmark count a process's code generation: a miss
+    is a graph inductor compiled, a hit one it loaded (``torch/_inductor/codecache.py``).
+    """
+    c = torch._dynamo.utils.counters["inductor"]
+    return {"hit": int(c["fxgraph_cache_hit"]), "miss": int(c["fxgraph_cache_miss"])}
