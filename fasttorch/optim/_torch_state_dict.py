@@ -19,7 +19,7 @@ from fasttorch.optim._base import Optimizer, OptState
 
 __all__ = ["TrainStateLike", "load_torch_state_dict"]
 
-StateT = TypeVar("StateT", bound="TrainStateLike")
+TrainStateT = TypeVar("TrainStateT", bound="TrainStateLike")
 
 
 class TrainStateLike(Protocol):
@@ -33,16 +33,16 @@ class TrainStateLike(Protocol):
     def step(self) -> Tensor: ...
     @property
     def optimizer(self) -> Optimizer: ...
-    def replace(self: StateT, **changes: Any) -> StateT: ...
+    def replace(self: TrainStateT, **changes: Any) -> TrainStateT: ...
 
 
 def load_torch_state_dict(
-    state: StateT,
+    state: TrainStateT,
     state_dict: Mapping[str, Any],
     *,
     names: Sequence[str] | None = None,
     steps: int | None = None,
-) -> StateT:
+) -> TrainStateT:
     """``state`` with a ``torch.optim`` optimizer's ``state_dict()`` loaded into it.
 
     Moves a run from a plain loop onto fasttorch mid-training: the per-parameter state
