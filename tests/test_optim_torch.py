@@ -323,6 +323,36 @@ def test_refused_algorithms_say_why(cls: Any) -> None:
         optim.from_torch(cls)
 
 
+def test_every_torch_optim_class_has_a_record_or_a_reason() -> None:
+    # A class a new torch release adds fails here until it gets its record (or a reason).
+    from fasttorch.optim._torch_algorithms import ALGORITHMS, REFUSED
+
+    classes = {
+        n
+        for n, c in vars(torch.optim).items()
+        if isinstance(c, type)
+        and issubclass(c, torch.optim.Optimizer)
+        and c is not torch.optim.Optimizer
+    }
+    assert classes == set(ALGORITHMS) | set(REFUSED)
+    assert set(ALGOS) == set(ALGORITHMS)  # the bit-for-bit tests check every record
+
+
+@pytest.mark.parametrize("name", sorted(ALGOS))
+def test_an_optimizer_pickles_and_copies_with_its_record(name: str) -> None:
+    # A TrainState keeps its optimizer as static configuration: copies and pickles of
+    # it (spawned processes, deep copies of a state) carry the record's slot builder.
+    import pickle
+
+    opt = optim.from_torch(getattr(torch.optim, name), LR, **ALGOS[name])
+    params = {"w": torch.ones(3, 2)}
+    for again in (pickle.loads(pickle.dumps(opt)), copy.deepcopy(opt)):
+        assert again == opt
+        got, want = again.init(params).slots, opt.init(params).slots
+        assert sorted(got) == sorted(want)
+        assert all(torch.equal(got[k]["w"], want[k]["w"]) for k in want)
+
+
 def test_adafactor_refuses_a_compiled_step_with_its_reason() -> None:
     state = fasttorch.TrainState.create(
         _model("Adafactor"), optim.from_torch(torch.optim.Adafactor, LR)

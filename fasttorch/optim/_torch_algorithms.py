@@ -9,6 +9,7 @@ state is written here per algorithm; the bit-for-bit tests against ``torch.optim
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -80,12 +81,15 @@ def _scalar(value: float, like: Tensor) -> Tensor:
     return torch.tensor(float(value), dtype=torch.float32, device=like.device)
 
 
+def _zeros_and_step(
+    keys: tuple[str, ...], p: Tensor, group: object, lr: float
+) -> dict[str, Tensor]:
+    return {**{k: torch.zeros_like(p) for k in keys}, "step": _scalar(0.0, p)}
+
+
 def _zeros(*keys: str) -> Slots:
-    """Zeros like ``p`` under ``keys``, then a 0-d ``step``."""
-    return lambda p, group, lr: {
-        **{k: torch.zeros_like(p) for k in keys},
-        "step": _scalar(0.0, p),
-    }
+    """Zeros like ``p`` under ``keys``, then a 0-d ``step`` (a partial: it pickles)."""
+    return functools.partial(_zeros_and_step, keys)
 
 
 def _adam(p: Tensor, group: Mapping[str, Any], lr: float) -> dict[str, Tensor]:
