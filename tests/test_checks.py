@@ -53,6 +53,25 @@ def test_real_count_and_flag():
     assert issubclass(_checks.ArgumentTypeError, ValueError)
 
 
+def test_a_check_can_word_what_is_valid_in_its_own_terms():
+    # rule= / kind= replace the generated wording, never the bounds that are checked.
+    with pytest.raises(ValueError, match=r"^ema: decay must be in \[0, 1\), got decay=1\.0\.$"):
+        _checks.real("ema", "decay", 1.0, low=0.0, high=1.0, high_open=True, rule="in [0, 1)")
+    assert _checks.real("ema", "decay", 0.5, high=1.0, high_open=True, rule="in [0, 1)") == 0.5
+    with pytest.raises(ValueError, match=r"k must be an integer >= 1, or None, got 0 of type int"):
+        _checks.count("api", "k", 0, kind="an integer >= 1, or None")
+    with pytest.raises(TypeError, match=r"k must be an integer >= 1, or None, got 1\.5"):
+        _checks.count("api", "k", 1.5, kind="an integer >= 1, or None")
+    assert [_checks.is_real(v) for v in (1, 2.5, True, "1", None)] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
+    assert [_checks.is_int(v) for v in (1, 2.0, False, "1")] == [True, False, False, False]
+
+
 def test_warn_once_lives_in_checks_and_steps_keeps_its_name():
     from fasttorch import steps
 
