@@ -233,7 +233,8 @@ class Step:
         if unknown:
             raise TypeError(
                 f"{transform}: with_phases got {', '.join(map(repr, unknown))}, which is not "
-                f"a phase or hook of a Step; valid names are {', '.join(valid)}"
+                f"a phase or hook of a Step; valid names are {', '.join(valid)} (and "
+                "substate= for the sub-state the transform keeps)"
             )
         if substate:
             changes["inits"] = merge(changes.get("inits", self.inits), substate, transform)
