@@ -18,7 +18,7 @@ from fasttorch.phases import Batch, LossFn, LossPhase, Metrics, Tensors
 from fasttorch.state import TrainState, check_alive, evaluating, is_sharded, reshard
 from fasttorch.steps import Step
 from fasttorch.steps import step as make_step
-from fasttorch.transforms.ema import KEY as EMA_KEY
+from fasttorch.substates import declares, eval_params
 
 __all__ = ["Mean", "eval_step", "evaluate"]
 
@@ -46,7 +46,10 @@ def eval_step(step_or_loss_fn: Step | LossFn, *, use_ema: bool = False) -> EvalF
         step_or_loss_fn: a :class:`fasttorch.Step` (uncompiled: compile the
             evaluation itself), or a loss function ``(apply, batch) -> loss``.
         use_ema: evaluate the averaged parameters of ``fasttorch.ema`` (from
-            ``state.substates["ema"]``) instead of ``state.params``. On a state
+            ``state.substates["ema"]``) instead of ``state.params``: those of the
+            sub-state whose record declares ``eval_params``
+            (:mod:`fasttorch.substates`), so another transform's average works the
+            same way. On a state
             sharded with FSDP2 the averages' shards are copied into the module's
             own for the forward and the parameters' copied back after it (bitwise),
             which takes one more copy of this rank's parameter shards.
@@ -72,10 +75,14 @@ def eval_step(step_or_loss_fn: Step | LossFn, *, use_ema: bool = False) -> EvalF
                 f"eval_step: step {s.name!r} is compiled; pass the step before compiled "
                 "and compile the evaluation instead: compiled(eval_step(step))"
             )
-        if use_ema and "ema" not in s.transforms:
+        averaged = [d.key for d in s.inits if declares(d.record, "eval_params")]
+        if use_ema and len(averaged) != 1:
             raise ValueError(
-                f"eval_step: use_ema=True but step {s.name!r} has no ema (transforms: "
-                f"{', '.join(s.transforms) or 'none'}); wrap it with fasttorch.ema(step, decay)"
+                f"eval_step: use_ema=True but step {s.name!r} has "
+                + (f"several averages ({averaged})" if averaged else "no ema")
+                + f" (transforms: {', '.join(s.transforms) or 'none'}); evaluation swaps "
+                "in the parameters of one sub-state that declares eval_params: wrap the "
+                "step with fasttorch.ema(step, decay) once"
             )
         loss, name = s.loss, s.name
     elif callable(step_or_loss_fn):
@@ -92,13 +99,7 @@ def eval_step(step_or_loss_fn: Step | LossFn, *, use_ema: bool = False) -> EvalF
             check_alive(state, f"eval_step({name})")
         params = state.params
         if use_ema:
-            if EMA_KEY not in state.substates:
-                raise ValueError(
-                    f"eval_step({name}, use_ema=True): the state has no 'ema' sub-state "
-                    f"(it has {sorted(state.substates)}); train it with a step wrapped in "
-                    "fasttorch.ema, or call that step's init(state) first"
-                )
-            params = state.substates[EMA_KEY].params
+            params = _averages(state, name)
         module = state.module
         with evaluating(module), torch.no_grad():
             if use_ema and not torch.compiler.is_compiling() and is_sharded(module):
@@ -113,6 +114,20 @@ def eval_step(step_or_loss_fn: Step | LossFn, *, use_ema: bool = False) -> EvalF
 
     evaluate.__name__ = evaluate.__qualname__ = name
     return evaluate
+
+
+def _averages(state: TrainState, name: str) -> Tensors:
+    """The parameters the state's one sub-state with ``eval_params`` holds (the EMA's)."""
+    found = eval_params(state.substates)
+    if len(found) != 1:
+        raise ValueError(
+            f"eval_step({name}, use_ema=True): the state has "
+            + (f"several averages ({[k for k, _ in found]})" if found else "no 'ema' sub-state")
+            + f" (it has {sorted(state.substates)}); train it with a step wrapped in "
+            "fasttorch.ema, or call that step's init(state) first"
+        )
+    params: Tensors = found[0][1]
+    return params
 
 
 @contextlib.contextmanager

@@ -29,9 +29,11 @@ from torch.func import functional_call
 from fasttorch import _checks, _compat, _scope, struct
 from fasttorch.optim._base import computed_once, in_cpu_graph, update_used
 from fasttorch.state import TrainState, is_sharded, reshard
+from fasttorch.substates import SubState, any_declares
 
 __all__ = [
     "BUFFERS_KEY",
+    "SKIP_BUFFERS",
     "GradOut",
     "IntoGrad",
     "Loss",
@@ -44,7 +46,6 @@ __all__ = [
     "divide_aux",
     "global_norm",
     "grad_phase",
-    "keep_buffers",
     "loss_phase",
     "mark_skip",
     "module_tensors",
@@ -274,7 +275,7 @@ def _functional_grads(state: TrainState) -> bool:
     A population's members run under ``torch.func.vmap``, where ``torch.autograd.grad``
     cannot run (it needs ``requires_grad_()`` on batched tensors).
     """
-    return any(getattr(s, "functional_grads", False) for s in state.substates.values())
+    return any_declares(state.substates, "functional_grads")
 
 
 def _grad_functional(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> GradOut:
@@ -637,22 +638,20 @@ BUFFERS_KEY = "skip_buffers"
 """The sub-state key of the module's buffers as they were when the window began."""
 
 
-def keep_buffers(inits: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
-    """``inits`` plus the buffer snapshot a transform that marks skips needs (once).
-
-    The forward updates buffers (BatchNorm's running statistics) in place before the
-    update phase learns whether to skip; a skipped update puts back the values they had
-    when the window began, which this sub-state keeps: a copy of the module's buffers
-    (not of frozen parameters), refreshed by every update.
-    """
-    if any(k == BUFFERS_KEY for k, _ in inits):
-        return inits
-    return (*inits, (BUFFERS_KEY, _snapshot_buffers))
-
-
 def _snapshot_buffers(state: TrainState) -> Tensors:
     names = {n for n, _ in state.module.named_buffers()}
     return {k: b.clone() for k, b in state.buffers.items() if k in names}
+
+
+SKIP_BUFFERS = SubState(BUFFERS_KEY, dict, _snapshot_buffers)
+"""The buffer snapshot a transform that marks skips declares (``substate=``; kept once).
+
+The forward updates buffers (BatchNorm's running statistics) in place before the
+update phase learns whether to skip; a skipped update puts back the values they had
+when the window began, which this sub-state keeps: a copy of the module's buffers
+(not of frozen parameters), refreshed by every update. A plain dict of tensors, so
+replicated in a checkpoint (``substates/skip_buffers/<name>``).
+"""
 
 
 def _restore_buffers(state: TrainState, skip: torch.Tensor) -> tuple[Tensors, dict[str, Any]]:
@@ -665,7 +664,7 @@ def _restore_buffers(state: TrainState, skip: torch.Tensor) -> tuple[Tensors, di
         buffers[k] = torch.where(skip, old, buffers[k])
     # A copy, not the buffer itself: the next forward may update the buffer in place.
     snapshot = {k: buffers[k].clone() for k in kept}
-    return buffers, {**state.substates, BUFFERS_KEY: snapshot}
+    return buffers, state.with_substate(BUFFERS_KEY, snapshot).substates
 
 
 def unscaled_norm(g: GradOut) -> torch.Tensor:

@@ -304,8 +304,7 @@ def member(state: TrainState, i: int) -> TrainState:
 
 def member_view(state: TrainState, i: int, *, copy: bool = False) -> TrainState:
     """Member ``i`` of ``state`` over views of its tensors (``copy``: over copies)."""
-    subs = {k: v for k, v in state.substates.items() if k != KEY}
-    bare = state.replace(substates=subs)
+    bare = state.without_substate(KEY)
 
     def take(t: torch.Tensor, d: int | None) -> torch.Tensor:
         one = t if d is None else t[i]

@@ -18,6 +18,7 @@ except ImportError:  # pragma: no cover
 
 from fasttorch import struct
 from fasttorch._rng import initial_rng_state
+from fasttorch.substates import any_declares
 
 if TYPE_CHECKING:
     from fasttorch.optim import Optimizer, OptState
@@ -48,8 +49,9 @@ class TrainState(struct.Record):
     A frozen dataclass registered as a pytree: ``torch.compile``, ``torch.func`` and
     checkpointing see every tensor leaf, while the module (used only as a template for
     :func:`torch.func.functional_call`) and the optimizer are static. Transforms keep
-    their own small sub-state in :attr:`substates` under their name ("amp",
-    "grad_accumulate", ...), added by ``step.init(state)`` or on a step's first call.
+    their own small sub-state in :attr:`substates` under the key they declare
+    (:class:`fasttorch.substates.SubState`: "amp", "grad_accumulate", ...), added by
+    ``step.init(state)`` or on a step's first call.
 
     Attributes:
         params: trainable parameters by name (``requires_grad=True`` ones).
@@ -57,7 +59,7 @@ class TrainState(struct.Record):
         opt_state: the optimizer's state, hyperparameters included as 0-d tensors.
         step: number of optimizer steps taken (skipped ones included); schedules read it.
         rng: the generator state of the parameters' device (see ``fasttorch._rng``).
-        substates: per-transform state, by transform name.
+        substates: per-transform state, by the key each transform declares.
         module: the template module (static).
         optimizer: the functional optimizer (static).
 
@@ -174,6 +176,26 @@ class TrainState(struct.Record):
             module=module,
             optimizer=optimizer,
         )
+
+    def with_substate(self, key: str, value: Any) -> TrainState:
+        """A copy with sub-state ``key`` set to ``value`` (the others kept, in order).
+
+        How a transform's phase returns the sub-state it owns (declared with
+        :class:`fasttorch.substates.SubState`); traces under ``torch.compile``.
+
+        Example:
+            >>> import torch, fasttorch
+            >>> state = fasttorch.TrainState.create(torch.nn.Linear(2, 1), fasttorch.optim.sgd(0.1))
+            >>> sorted(state.with_substate("calls", torch.zeros(())).substates)
+            ['calls']
+        """
+        return self.replace(substates={**self.substates, key: value})
+
+    def without_substate(self, key: str) -> TrainState:
+        """A copy without sub-state ``key`` (the same state when it has none)."""
+        if key not in self.substates:
+            return self
+        return self.replace(substates={k: v for k, v in self.substates.items() if k != key})
 
     @property
     def device(self) -> torch.device:
@@ -312,7 +334,7 @@ def check_template(state: TrainState, api: str) -> None:
     own.update(module.named_buffers())
     # A sub-state may say that every leaf carries a leading dimension of its own (a
     # population's members): the template's shapes are then those after it.
-    lead = 1 if any(getattr(s, "stacks_members", False) for s in state.substates.values()) else 0
+    lead = 1 if any_declares(state.substates, "stacks_members") else 0
     for group, tensors in (("params", state.params), ("buffers", state.buffers)):
         for name, t in tensors.items():
             ref = own.get(name)

@@ -61,6 +61,7 @@ from fasttorch.state import (
     mark_template_ok,
     restore_training,
 )
+from fasttorch.substates import SubState, merge
 
 __all__ = [
     "CallHook",
@@ -78,7 +79,6 @@ __all__ = [
     "warn_once",
 ]
 
-Init: TypeAlias = Callable[[TrainState], Any]
 Result: TypeAlias = "tuple[TrainState, Metrics]"
 
 
@@ -181,7 +181,7 @@ class Step:
     update: UpdatePhase
     name: str
     doc: str | None = None
-    inits: tuple[tuple[str, Init], ...] = ()
+    inits: tuple[SubState, ...] = ()
     donate: bool = True
     transforms: tuple[str, ...] = ()
     runner: Runner = run_whole
@@ -200,7 +200,7 @@ class Step:
 
     def __repr__(self) -> str:
         # The phases and hooks are closures, whose reprs tell a reader nothing.
-        subs = [key for key, _ in self.inits]
+        subs = [d.key for d in self.inits]
         return (
             f"Step({self.name!r}, transforms={list(self.transforms)}, "
             f"substates={subs}, donate={self.donate})"
@@ -209,18 +209,21 @@ class Step:
     def init(self, state: TrainState) -> TrainState:
         """Return ``state`` with every sub-state this step needs (existing ones kept)."""
         check_alive(state, f"{self.name}.init")
-        missing = [(k, f) for k, f in self.inits if k not in state.substates]
-        if not missing:
-            return state
-        subs = dict(state.substates)
-        for key, make in missing:
-            subs[key] = make(state)
-        return state.replace(substates=subs)
+        given = state  # each sub-state is built from the state as it was given
+        for d in self.inits:
+            if d.key not in given.substates:
+                state = state.with_substate(d.key, d.build(given, self.name))
+        return state
 
-    def with_phases(self, transform: str, **changes: Any) -> Step:
+    def with_phases(
+        self, transform: str, *, substate: SubState | tuple[SubState, ...] = (), **changes: Any
+    ) -> Step:
         """A copy with some phases or hooks replaced, recording ``transform``.
 
         This is how transforms are written: check the order, then replace phases.
+        ``substate``: the sub-state(s) the transform keeps in the state
+        (:class:`fasttorch.substates.SubState`), added to the step's ``inits``; one
+        declaration shared by two transforms is kept once.
         """
         check_wrap(self, transform)
         # Every field but the record of what was applied; a typo is named here, not
@@ -230,8 +233,11 @@ class Step:
         if unknown:
             raise TypeError(
                 f"{transform}: with_phases got {', '.join(map(repr, unknown))}, which is not "
-                f"a phase or hook of a Step; valid names are {', '.join(valid)}"
+                f"a phase or hook of a Step; valid names are {', '.join(valid)} (and "
+                "substate= for the sub-state the transform keeps)"
             )
+        if substate:
+            changes["inits"] = merge(changes.get("inits", self.inits), substate, transform)
         return attrs.evolve(self, transforms=(*self.transforms, transform), **changes)
 
     @property

@@ -60,6 +60,7 @@ from fasttorch import _compat
 from fasttorch._cudagraphs import CudagraphReport, check_cudagraphs
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, eager
+from fasttorch.transforms.profiled import Profiled
 
 __all__ = [
     "CHECKS",
@@ -164,7 +165,7 @@ class _Ctx:
 
     def is_compiled(self) -> bool:
         s = self.step
-        if getattr(s, "__fasttorch_profiled__", False):
+        if isinstance(s, Profiled):
             s = s.step
         if isinstance(s, Step):
             return not s.is_eager
@@ -265,7 +266,7 @@ _PROFILED_SKIP = "skipped: profiled(step) cannot be compiled; check profiled(com
 
 
 def _refuses_compile(c: _Ctx) -> bool:
-    return bool(getattr(c.step, "__fasttorch_profiled__", False)) and not c.is_compiled()
+    return isinstance(c.step, Profiled) and not c.is_compiled()
 
 
 def _check_compiles(c: _Ctx) -> str:

@@ -2,7 +2,9 @@
 
 Clean keys (no ``_orig_mod.`` or ``module.`` prefix), the entries kept per rank, the
 FSDP2 shards among the leaves, the plain static fields of records (``AccumState.micro``),
-and the names of the model and optimizer classes that the manifest records.
+and the names of the model and optimizer classes that the manifest records. What is
+kept per rank is what the sub-state records declare (``per_rank``,
+:mod:`fasttorch.substates`): no transform is known here by name.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from fasttorch import _compat, struct
 from fasttorch.checkpoint._errors import CheckpointError, CheckpointMismatchError
 from fasttorch.distributed.fsdp import sharded_leaves
 from fasttorch.state import TrainState, is_sharded
-from fasttorch.transforms.grad_accumulate import KEY as ACCUM_KEY
+from fasttorch.substates import per_rank_keys
 
-# Entries whose values legitimately differ between ranks: saved under "rank{r}/".
-PER_RANK = ("rng", f"substates/{ACCUM_KEY}")
+# Entries whose values legitimately differ between ranks whatever the transforms (the
+# generator state): saved under "rank{r}/". Sub-states add theirs (_per_rank).
+PER_RANK = ("rng",)
 _DATA = "data"
 
 
@@ -62,8 +65,15 @@ def _part(k: Any, rename: dict[str, str]) -> str:
     return str(k)
 
 
-def _is_per_rank(key: str) -> bool:
-    return any(key == p or key.startswith(p + "/") for p in PER_RANK)
+def _per_rank(state: TrainState) -> tuple[str, ...]:
+    """The entries of ``state`` kept per rank: ``PER_RANK`` and the sub-states whose
+    record declares ``per_rank`` (an open accumulation window)."""
+    return (*PER_RANK, *(f"substates/{k}" for k in per_rank_keys(state.substates)))
+
+
+def _is_per_rank(key: str, per_rank: tuple[str, ...] = PER_RANK) -> bool:
+    """Whether entry ``key`` is one of ``per_rank`` (``_per_rank(state)``) or inside one."""
+    return any(key == p or key.startswith(p + "/") for p in per_rank)
 
 
 def _flatten(state: TrainState) -> tuple[list[str], list[Any], Any]:
@@ -137,7 +147,8 @@ def _shards(state: TrainState, keys: list[str]) -> dict[int, DTensor]:
     """
     if not is_sharded(state.module):
         return {}
-    return {i: p for i, p in sharded_leaves(state).items() if not _is_per_rank(keys[i])}
+    per_rank = _per_rank(state)
+    return {i: p for i, p in sharded_leaves(state).items() if not _is_per_rank(keys[i], per_rank)}
 
 
 _SCALARS = (bool, int, float, str, type(None))

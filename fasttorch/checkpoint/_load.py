@@ -29,6 +29,7 @@ from fasttorch.checkpoint._keys import (
     _flatten,
     _is_per_rank,
     _optimizer_name,
+    _per_rank,
     _restore_statics,
     _shards,
 )
@@ -222,8 +223,9 @@ def _open(
             "ranks, or from a checkpoint saved at a window boundary"
         )
     names: dict[str, str] = {}
+    per_rank = _per_rank(template)
     for key in keys:
-        if not _is_per_rank(key):
+        if not _is_per_rank(key, per_rank):
             names[key] = key
         elif not fresh_rank:
             names[key] = f"rank{rank}/{key}"

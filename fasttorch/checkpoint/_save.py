@@ -41,6 +41,7 @@ from fasttorch.checkpoint._keys import (
     _flatten,
     _is_per_rank,
     _optimizer_name,
+    _per_rank,
     _shards,
     _statics,
 )
@@ -49,7 +50,7 @@ from fasttorch.checkpoint._patchable import patchable
 from fasttorch.checkpoint._paths import _dir_arg, _is_link
 from fasttorch.distributed.fsdp import as_dtensor
 from fasttorch.state import TrainState, check_alive
-from fasttorch.transforms.grad_accumulate import KEY as ACCUM_KEY
+from fasttorch.substates import window_position
 
 
 @dataclasses.dataclass
@@ -100,8 +101,7 @@ def _plan(
         )
     keys, leaves, _ = _flatten(state)
     step = int(state.step)
-    window = state.substates.get(ACCUM_KEY)
-    micro = getattr(window, "micro", None)
+    micro = window_position(state.substates)
     if name is None:
         name = f"step_{step:09d}" + (f"_micro{micro}" if micro else "")
     if not name or "/" in name or name.startswith(".") or name != name.strip():
@@ -148,26 +148,26 @@ def _plan_write(
         token = _broadcast(token, pg)
     tmp = d / f"{_TMP}{name}.{token}"
     shards = _shards(state, keys)
+    per_rank = _per_rank(state)
     tensors: dict[str, Any] = {}
     for i, (key, leaf) in enumerate(zip(keys, leaves)):
         if i in shards:  # DCP writes this rank's part of the whole tensor under its key
             tensors[key] = as_dtensor(leaf.detach(), shards[i])
         else:
-            tensors[f"rank{rank}/{key}" if _is_per_rank(key) else key] = leaf.detach()
+            tensors[f"rank{rank}/{key}" if _is_per_rank(key, per_rank) else key] = leaf.detach()
     tensors[f"rank{rank}/{_DATA}"] = blob
     statics: dict[str, Any] = {}
     _statics(state, "", statics)
-    window = state.substates.get(ACCUM_KEY)
     manifest = {
         "format": FORMAT,
         "step": int(state.step),
-        "micro": getattr(window, "micro", None),
+        "micro": window_position(state.substates),
         "world_size": world,
         "module": _class_name(state.module),
         "optimizer": _optimizer_name(state.optimizer),
         "statics": statics,
         "entries": {k: _describe(t, shards.get(i)) for i, (k, t) in enumerate(zip(keys, leaves))},
-        "per_rank": [k for k in keys if _is_per_rank(k)],
+        "per_rank": [k for k in keys if _is_per_rank(k, per_rank)],
         "sharded": [keys[i] for i in sorted(shards)],
         **_export_keys(state),
         "metric": metric,

@@ -187,11 +187,9 @@ def compiled(
     options = _with_cpu_gemm(options, cpu_gemm, backend)
     if options is not None:
         opts["options"] = options
-    if getattr(step, "__fasttorch_profiled__", False):  # set by fasttorch.profiled
-        raise ValueError(
-            "compiled cannot wrap a profiled step: the profiler steps on the host, which "
-            "inside a graph is a graph break. Write profiled(compiled(step), dir=...) instead"
-        )
+    refusal = getattr(step, "compile_refusal", None)  # declared by what cannot be compiled
+    if isinstance(refusal, str):
+        raise ValueError(f"compiled cannot wrap {refusal}")
     if isinstance(step, Step):
         check_wrap(step, "compiled")
         if not uses_cudagraphs(opts):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from fasttorch import _checks, struct
 from fasttorch.phases import GradOut, Metrics, Tensors
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, check_wrap
+from fasttorch.substates import SubState
 
 __all__ = ["KEY", "EmaState", "ema"]
 
@@ -28,12 +31,19 @@ class EmaState(struct.Record):
     params: Tensors
     count: torch.Tensor
 
+    # Read by fasttorch.evaluation: eval_step(step, use_ema=True) evaluates these.
+    eval_params: ClassVar[str] = "params"
+
 
 def _init(state: TrainState) -> EmaState:
     return EmaState(
         params={k: p.detach().clone() for k, p in state.params.items()},
         count=torch.zeros((), dtype=torch.int64, device=state.device),
     )
+
+
+SUBSTATE = SubState(KEY, EmaState, _init)
+"""The declaration of the average: a copy of the parameters when it is added."""
 
 
 def ema(step: Step, decay: float, *, warmup: float | None = None) -> Step:
@@ -121,6 +131,6 @@ def ema(step: Step, decay: float, *, warmup: float | None = None) -> Step:
             averaged = torch._foreach_lerp(olds, news, weight)
         count = old.count + 1 if skip is None else old.count + (~skip).long()
         sub = EmaState(params=dict(zip(names, averaged)), count=count)
-        return new.replace(substates={**new.substates, KEY: sub}), metrics
+        return new.with_substate(KEY, sub), metrics
 
-    return step.with_phases("ema", update=update, inits=(*step.inits, (KEY, _init)))
+    return step.with_phases("ema", update=update, substate=SUBSTATE)

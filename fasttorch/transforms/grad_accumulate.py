@@ -33,6 +33,7 @@ from fasttorch.phases import (
 )
 from fasttorch.state import TrainState, is_sharded
 from fasttorch.steps import Step, apply_update, check_wrap
+from fasttorch.substates import SubState
 
 __all__ = ["KEY", "AccumState", "accumulate", "empty_window", "finish_window", "grad_accumulate"]
 
@@ -44,7 +45,8 @@ class AccumState(struct.Record):
     """Sub-state of ``grad_accumulate(..., across_calls=True)``: the open window.
 
     Per rank: each rank of a data-parallel run accumulates its own microbatches, so a
-    checkpoint stores one window per rank.
+    checkpoint stores one window per rank (``per_rank``), and one saved inside a window
+    is named after ``micro`` (``window_position``).
     """
 
     grads: Tensors
@@ -58,6 +60,10 @@ class AccumState(struct.Record):
     # Donated windows are zeroed and refilled in place (commit): the same tensors on
     # every call, as the scratch window of accumulation within a call.
     kept_across_calls: ClassVar[bool] = True
+    # Read by fasttorch.checkpoint (fasttorch.substates): saved per rank, with the
+    # position in the window in the checkpoint's name and manifest.
+    per_rank: ClassVar[bool] = True
+    window_position: ClassVar[str] = "micro"
 
     def zeroed(self) -> AccumState:
         """A fresh, empty window shaped as this one."""
@@ -139,7 +145,7 @@ def grad_accumulate(step: Step, n: int, *, across_calls: bool = False) -> Step:
         return step.with_phases(
             "grad_accumulate",
             runner=functools.partial(_across_calls, n=n),
-            inits=(*step.inits, (KEY, init)),
+            substate=SubState(KEY, AccumState, init),
         )
     return step.with_phases("grad_accumulate", runner=functools.partial(_within_call, n=n))
 
@@ -192,8 +198,7 @@ def _across_calls(
             "grad_accumulate(step, n) splits it and reduces once, on the last microbatch"
         )
     window: AccumState = state.substates[KEY]
-    rest = {k: v for k, v in state.substates.items() if k != KEY}
-    inner = state.replace(substates=rest)
+    inner = state.without_substate(KEY)
     # The kernels see the window at micro=0: a Python int that changes from call to call
     # would be a guard (torch 2.10's dynamo guards on it though no kernel reads it), so a
     # recompile per position. The position is set on the result here.
@@ -201,14 +206,14 @@ def _across_calls(
     if window.micro + 1 < n:
         acc, g = _micro_kernel(step)(inner, plain.replace(unused=None), batch, n, step.donate)
         acc = acc.replace(micro=window.micro + 1, unused=meet_unused(window.unused, g.unused))
-        new = inner.replace(substates={**rest, KEY: acc})
+        new = inner.with_substate(KEY, acc)
         metrics: Metrics = {"loss": g.value}
         if g.aux is not None:
             metrics["aux"] = g.aux
         return new, metrics
     finish = step.finish or finish_window
     new, metrics, fresh, _ = finish(step, inner, plain, batch, n, True)
-    return new.replace(substates={**new.substates, KEY: fresh}), metrics
+    return new.with_substate(KEY, fresh), metrics
 
 
 # --------------------------------------------------------------------------- kernels

@@ -6,9 +6,10 @@ import torch
 
 from fasttorch import _checks, struct
 from fasttorch._late import LateRead
-from fasttorch.phases import GradOut, Metrics, keep_buffers, mark_skip, unscaled_norm
+from fasttorch.phases import SKIP_BUFFERS, GradOut, Metrics, mark_skip, unscaled_norm
 from fasttorch.state import TrainState, check_alive
 from fasttorch.steps import Step, check_wrap
+from fasttorch.substates import SubState
 
 __all__ = ["NonFiniteError", "NonFiniteState", "skip_nonfinite"]
 
@@ -35,6 +36,9 @@ class NonFiniteState(struct.Record):
 def _init(state: TrainState) -> NonFiniteState:
     zero = torch.zeros((), dtype=torch.int64, device=state.device)
     return NonFiniteState(skipped_total=zero, skipped_in_a_row=zero.clone())
+
+
+SUBSTATE = SubState(KEY, NonFiniteState, _init)
 
 
 class _Limit:
@@ -149,7 +153,7 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 20) -> Step:
             skipped_total=counts.skipped_total + skip.long(),
             skipped_in_a_row=torch.where(skip, counts.skipped_in_a_row + 1, 0),
         )
-        new = new.replace(substates={**new.substates, KEY: counts})
+        new = new.with_substate(KEY, counts)
         metrics["skipped"] = skip
         return new, metrics
 
@@ -157,6 +161,6 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 20) -> Step:
     return step.with_phases(
         "skip_nonfinite",
         update=update,
-        inits=keep_buffers((*step.inits, (KEY, _init))),
+        substate=(SUBSTATE, SKIP_BUFFERS),
         hooks=hooks,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -27,6 +27,13 @@ class Profiled:
         profiler: the ``torch.profiler.profile`` (``None`` before the first call).
         calls: how many calls went through.
     """
+
+    # Read by compiled, which refuses to wrap a callable that declares why it cannot be
+    # compiled (it names no transform): what it is, why, and the order that works.
+    compile_refusal: ClassVar[str] = (
+        "a profiled step: the profiler steps on the host, which inside a graph is a "
+        "graph break. Write profiled(compiled(step), dir=...) instead"
+    )
 
     def __init__(self, step: Any, make: Any, total: int | None) -> None:
         functools.update_wrapper(self, step, updated=())

@@ -113,7 +113,9 @@ def vmapped(step: Step, n: int, *, in_dims: InDims = None) -> Step:
     # made inside vmap for one member's shapes, and escape it: none are kept.
     inner.__dict__["_memos"] = _NoMemos()
     runner = functools.partial(_run_population, inner=inner, n=n, in_dims=in_dims)
-    inits = tuple((k, functools.partial(_vmapped_init, make)) for k, make in step.inits)
+    inits = tuple(
+        attrs.evolve(d, init=functools.partial(_vmapped_init, d.init)) for d in step.inits
+    )
     hooks = tuple(_PerMember(h, n) for h in step.hooks)
     return step.with_phases("vmapped", runner=runner, inits=inits, hooks=hooks)
 

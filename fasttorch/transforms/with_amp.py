@@ -13,18 +13,19 @@ from fasttorch._checks import warn_once
 from fasttorch._late import LateRead
 from fasttorch.optim._fused import float_flag
 from fasttorch.phases import (
+    SKIP_BUFFERS,
     Batch,
     GradOut,
     Loss,
     LossPhase,
     Metrics,
     Tensors,
-    keep_buffers,
     mark_skip,
     unscaled_norm,
 )
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, check_wrap
+from fasttorch.substates import SubState
 
 __all__ = ["KEY", "LossScaleState", "resolve_precision", "with_amp"]
 
@@ -302,7 +303,7 @@ def with_amp(
         metrics["loss_scale"] = ls.scale.clone()
         in_place = not torch.compiler.is_compiling() and _scope.current().in_place
         adjusted = rule.adjust_in_place(ls, found_inf) if in_place else rule.adjust(ls, found_inf)
-        new = new.replace(substates={**new.substates, KEY: adjusted})
+        new = new.with_substate(KEY, adjusted)
         metrics["skipped"] = g.skip
         return new, metrics
 
@@ -311,6 +312,6 @@ def with_amp(
         loss=loss,
         grad=grad,
         update=update,
-        inits=keep_buffers((*step.inits, (KEY, rule.init))),
+        substate=(SubState(KEY, LossScaleState, rule.init), SKIP_BUFFERS),
         hooks=(*step.hooks, _Floor(rule.min_scale)),
     )
