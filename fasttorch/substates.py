@@ -44,12 +44,18 @@ under ``substates/<key>/<field>/...``, and its plain static fields (``int``, ``f
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 
-if TYPE_CHECKING:
-    from fasttorch.state import TrainState
+
+class _State(Protocol):
+    # What a declaration reads of a ``TrainState``: its sub-states. A protocol rather
+    # than the class, because ``state`` imports this module (no import circle, even for
+    # annotations: tests/test_import_cycles.py).
+    @property
+    def substates(self) -> dict[str, Any]: ...
+
 
 __all__ = [
     "SubState",
@@ -77,7 +83,7 @@ class SubState:
         record: the class of the value (a :class:`fasttorch.struct.Record` whose class
             attributes say its properties, see this module; or ``dict`` for a plain
             dict of tensors, which has none).
-        init: ``init(state)`` builds the value from the state it is added to.
+        init: ``init(state)`` builds the value from the ``TrainState`` it is added to.
 
     Example:
         >>> import torch, fasttorch
@@ -102,9 +108,9 @@ class SubState:
 
     key: str = attrs.field(validator=attrs.validators.instance_of(str))
     record: type = attrs.field(validator=attrs.validators.instance_of(type))
-    init: Callable[[TrainState], Any] = attrs.field(validator=attrs.validators.is_callable())
+    init: Callable[[Any], Any] = attrs.field(validator=attrs.validators.is_callable())
 
-    def build(self, state: TrainState, owner: str) -> Any:
+    def build(self, state: _State, owner: str) -> Any:
         """``init(state)``, checked to be a ``record`` (``owner``: the step, for errors)."""
         value = self.init(state)
         if not isinstance(value, self.record):
