@@ -90,9 +90,18 @@ def _suite(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def test_smoke_run_writes_the_document(tmp_path):
-    out = tmp_path / "benchmarks.md"
-    _suite("--smoke", "--out", str(out))
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """One ``benchmarks.run --smoke`` for the tests below (a run costs half a minute):
+    the document it wrote and the results it saved with ``--json``."""
+    where = tmp_path_factory.mktemp("smoke")
+    out, raw = where / "benchmarks.md", where / "raw.json"
+    _suite("--smoke", "--out", str(out), "--json", str(raw))
+    return out, raw
+
+
+def test_smoke_run_writes_the_document(smoke_run):
+    out, _ = smoke_run
     text = out.read_text()
     assert "torch " in text and "date:" in text
     assert "| B0 |" in text and "| F0 |" in text
@@ -212,10 +221,9 @@ def test_a_missed_speedup_quotes_the_bound_from_extern_kernels():
     assert rows["M1: F1 >= 2.0x B0"] == ("2.50", "met")  # no bound quoted when met
 
 
-def test_from_json_rewrites_the_document_without_running(tmp_path):
+def test_from_json_rewrites_the_document_without_running(smoke_run, tmp_path):
     """--json saves what --from-json needs; the second writes the same tables."""
-    out, raw, again = tmp_path / "a.md", tmp_path / "raw.json", tmp_path / "b.md"
-    _suite("--smoke", "--out", str(out), "--json", str(raw))
+    (out, raw), again = smoke_run, tmp_path / "b.md"
     proc = _suite("--smoke", "--out", str(again), "--from-json", str(raw))
     assert "M1 bf16 on" not in proc.stdout, "nothing ran"
     first, second = out.read_text(), again.read_text()
