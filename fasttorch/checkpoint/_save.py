@@ -95,7 +95,7 @@ def _plan(
             "checkpoints (it is created if missing)"
         )
     keys, leaves, _ = _flatten(state)
-    step = int(state.step)
+    step = _step_count(state)
     window = state.substates.get(ACCUM_KEY)
     micro = getattr(window, "micro", None)
     if name is None:
@@ -156,7 +156,7 @@ def _plan_write(
     window = state.substates.get(ACCUM_KEY)
     manifest = {
         "format": FORMAT,
-        "step": int(state.step),
+        "step": _step_count(state),
         "micro": getattr(window, "micro", None),
         "world_size": world,
         "module": _class_name(state.module),
@@ -354,3 +354,8 @@ def save(
     keep = _check_keep(api, keep_last, keep_best, mode, saving=True)
     plan = _plan(directory, state, data, name, keep, _check_metric(api, metric), None, api)
     return _write(plan, None)
+
+
+def _step_count(state: TrainState) -> int:
+    """The state's step count; a population's members each count theirs: the largest."""
+    return int(state.step.max())
