@@ -548,8 +548,9 @@ class DropNet(nn.Module):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_half_precision_members_equal_their_own_fasttorch_runs(precision):
-    """bf16, and fp16 with each member's own loss scale (member 1 meets an inf and halves
-    its scale alone): member ``i`` against the same step run on its own state.
+    """bf16, and fp16 with each member's own loss scale (each starts from its own; member 1
+    meets an inf and halves its scale alone): member ``i`` against the same step run on
+    its own state.
 
     Not bit for bit: under vmap a linear layer runs as a batched product and a batched
     bias add, each rounded to the half dtype, where the single model's addmm rounds
@@ -567,9 +568,14 @@ def test_half_precision_members_equal_their_own_fasttorch_runs(precision):
         tuple(torch.stack([data[i][k][j] for i in range(N)]) for j in range(2)) for k in range(3)
     ]
     inner = fasttorch.with_amp(fasttorch.step(mse, donate=False), precision)
-    pop, _ = _run(fasttorch.vmapped(inner, N, in_dims=0), pop0, stacked)
+    step = fasttorch.vmapped(inner, N, in_dims=0)
+    pop0 = step.init(pop0)
+    if precision == "fp16":  # each member's own initial loss scale, a [n] tensor
+        amp = pop0.substates["amp"].replace(scale=torch.tensor([2.0**10, 2.0**16, 2.0**12]))
+        pop0 = pop0.replace(substates={**pop0.substates, "amp": amp})
+    pop, _ = _run(step, pop0, stacked)
     if precision == "fp16":
-        assert pop.substates["amp"].scale.tolist() == [2.0**16, 2.0**15, 2.0**16]
+        assert pop.substates["amp"].scale.tolist() == [2.0**10, 2.0**15, 2.0**12]
     for i in range(N):
         single, _ = _run(inner, fasttorch.member(pop0, i), data[i])
         got = fasttorch.member(pop, i)
