@@ -284,20 +284,6 @@ def _tokens(n, seed=0):
     ]
 
 
-@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_gpt_without_dropout_members_equal_their_own_loops(compile):
-    torch.manual_seed(0)
-    pop = _population(TinyGPT)
-    models = [_member_model(pop, i, TinyGPT) for i in range(N)]
-    data = _tokens(3)
-    step = fasttorch.vmapped(fasttorch.step(_lm), N)
-    if compile:
-        step = fasttorch.compiled(step, backend="aot_eager")
-    pop, _ = _run(step, pop, data)
-    for i in range(N):
-        _assert_member_matches(pop, i, models[i], [[b] for b in data], loss_fn=_lm)
-
-
 def _seeded_adamw(i, rng_seed):
     """Member ``i``'s optimizer, built right after ``torch.manual_seed(rng_seed)``: the
     hand loop seeds its dropout as a lone run does, just before it trains."""
