@@ -10,8 +10,11 @@ step each, timed in interleaved rounds (median of the rounds):
 
 Throughput is member-steps per second (n x calls / seconds). Memory: the tensors each
 way keeps (parameters, optimizer state, and for ``vmapped`` the stacked population),
-counted exactly; a CPU process's peak resident set covers every run at once, so it is
-reported once. Writes its table to docs/benchmarks_population.md::
+counted exactly, and the peak: those plus the most bytes one call (all n members'
+steps) holds allocated at once, from the profiler's allocator events (as
+benchmarks/activation_checkpointing.py measures it); a CPU process's peak resident set
+covers every run at once, so it is reported once. Writes its table to
+docs/benchmarks_population.md::
 
     python -m benchmarks.population            # the full table (minutes: compiling)
     python -m benchmarks.population --smoke    # the machinery, in seconds
@@ -38,6 +41,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 import fasttorch
+from benchmarks.activation_checkpointing import peak_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks_population.md"
@@ -183,6 +187,7 @@ def measure(model: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
             "member_steps_per_s": n / per_call,
             "first_call_s": r.first_s,
             "state_bytes": r.state_bytes(),
+            "peak_bytes": r.state_bytes() + peak_bytes(r.call),
         }
     return out
 
@@ -204,7 +209,8 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "`vmapped`: `compiled(vmapped(step(loss_fn), n))`, one call for all members;",
         "`sequential`: one `compiled(step(loss_fn))` called once per member's state;",
         "`hand`: n models and n `torch.optim.AdamW` (foreach), the plain loop.",
-        "State MiB: the tensors each keeps (parameters and optimizer state), counted.",
+        "State MiB: the tensors each keeps (parameters and optimizer state), counted;",
+        "peak MiB: those plus the most one call (every member's step) holds allocated at once.",
         "",
         "## Conditions",
         "",
@@ -216,8 +222,7 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "(the machine was shared with other work: ratios from one run, interleaved, "
         "mean more than absolute rates)",
         f"- backend: {args.backend}; {args.rounds} rounds x {args.calls} calls per runner",
-        f"- process peak resident set (all runs together): {rss / 2**20:.0f} MiB; no "
-        "per-run peak exists on CPU",
+        f"- process peak resident set (all runs together): {rss / 2**20:.0f} MiB",
         "",
     ]
     for model in dict.fromkeys(r["model"] for r in results):
@@ -226,6 +231,7 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         head = "| n |" + "".join(f" {k} member-steps/s |" for k in args.kinds)
         head += " vmapped / sequential | vmapped / hand |"
         head += "".join(f" {k} state MiB |" for k in args.kinds)
+        head += "".join(f" {k} peak MiB |" for k in args.kinds)
         head += " vmapped first call s | sequential first call s |"
         lines += [head, "|" + " --- |" * (head.count("|") - 1)]
         for r in (r for r in results if r["model"] == model):
@@ -235,6 +241,7 @@ def render(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 f" {_ratio(rates, 'vmapped', 'sequential')} | {_ratio(rates, 'vmapped', 'hand')} |"
             )
             row += "".join(f" {r[k]['state_bytes'] / 2**20:.2f} |" for k in args.kinds)
+            row += "".join(f" {r[k]['peak_bytes'] / 2**20:.2f} |" for k in args.kinds)
             row += "".join(
                 f" {r[k]['first_call_s']:.1f} |" if k in r else " – |"
                 for k in ("vmapped", "sequential")

@@ -87,11 +87,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             args.dropout, tie_weights=True,
         )  # fmt: skip
 
-    # The same initial model for every member: the learning rate is the only difference.
+    # The same initial model and the same dropout generator for every member: the
+    # learning rate is the only difference.
     torch.manual_seed(args.seed)
     pop = fasttorch.create_population(
         make_model(), fasttorch.optim.adamw(lrs[0]), n, init="copies",
-        hyper={"lr": lrs}, seed=args.seed,
+        hyper={"lr": lrs}, rng_seeds=[args.seed] * n,
     )  # fmt: skip
     step = fasttorch.vmapped(fasttorch.clip_scaled(fasttorch.step(loss_fn), args.clip), n)
     evaluate = fasttorch.vmapped_eval(fasttorch.eval_step(loss_fn), n)

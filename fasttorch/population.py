@@ -7,12 +7,11 @@ of a JAX ensemble under ``jax.vmap``. :func:`fasttorch.vmapped` trains it, one c
 all members. It is a plain :class:`fasttorch.TrainState`, so checkpointing,
 ``set_hyperparams`` and the user's loop handle it as they handle any state.
 
-Two leaves are not stacked (:func:`member_dims`). ``step``: every call advances every
-member's step counter (a skipped update counts too, as for one model), so the members
-share one, and schedules, checkpoints and logs read it as they read a single model's.
-``rng``: random ops under ``torch.func.vmap`` draw from one generator for the whole
-population (``randomness="different"``: each member gets its own draws from that one
-stream), so the population carries one generator state, seeded once.
+The step counter and the random generator are stacked too: member ``i`` has its own
+``step[i]`` (every call advances every member, a skipped update included, as for one
+model) and its own generator state ``rng[i]``, seeded as a lone ``TrainState.create``
+seeds its own, so member ``i``'s dropout masks are those of its independent run
+(``fasttorch._rng.draw_``).
 """
 
 from __future__ import annotations
@@ -28,14 +27,13 @@ from torch import nn
 from fasttorch import _checks, struct
 from fasttorch._rng import initial_rng_state
 from fasttorch.optim._base import check_hyper
-from fasttorch.state import TrainState, check_alive, is_sharded
+from fasttorch.state import TrainState, check_alive, default_seed, is_sharded
 
 __all__ = [
     "KEY",
     "Members",
     "create_population",
     "member",
-    "member_dims",
     "member_state_dict",
     "member_view",
     "population_size",
@@ -70,7 +68,7 @@ def create_population(
     init: str = "seeds",
     seeds: Sequence[int] | None = None,
     hyper: Mapping[str, Sequence[float]] | None = None,
-    seed: int = 0,
+    rng_seeds: Sequence[int] | None = None,
 ) -> TrainState:
     """A population of ``n`` models trained by ``optimizer``, as one stacked ``TrainState``.
 
@@ -79,7 +77,11 @@ def create_population(
     ``model`` is a callable (a ``make_model``), or, for a module, ``reset_parameters()``
     of every submodule that has one is run on a copy. With ``init="copies"`` every
     member starts from the module's own values. The caller's global RNG is left as it
-    was. ``hyper`` gives members their own optimizer hyperparameters (``lr``,
+    was. Each member has its own random generator (dropout), seeded with
+    ``rng_seeds[i]``, by default with the seed ``TrainState.create`` takes after
+    ``torch.manual_seed(seeds[i])``: member ``i`` then draws the dropout masks of the
+    single model that the plain setup below builds and trains. ``hyper`` gives members
+    their own optimizer hyperparameters (``lr``,
     ``weight_decay``, ``beta1``, ``beta2``, ``momentum``, ...): a 0-d hyperparameter
     becomes a ``[n]`` tensor, one value per member.
 
@@ -87,7 +89,7 @@ def create_population(
 
         models = []
         for i in range(n):
-            torch.manual_seed(seeds[i])
+            torch.manual_seed(seeds[i])  # also seeds member i's dropout
             models.append(make_model())
         opts = [torch.optim.AdamW(m.parameters(), lr=lrs[i]) for i, m in enumerate(models)]
 
@@ -96,9 +98,11 @@ def create_population(
         optimizer: a fasttorch optimizer (``fasttorch.optim.adamw(1e-3)``).
         n: the number of members, >= 1.
         init: ``"seeds"`` (independent initialisations) or ``"copies"``.
-        seeds: one seed per member for ``init="seeds"``.
+        seeds: one seed per member: its initialisation (``init="seeds"``) and, unless
+            ``rng_seeds`` is given, its random generator.
         hyper: per-member hyperparameter values, ``n`` per name.
-        seed: seed of the population's random generator (dropout).
+        rng_seeds: one seed per member for its random generator, as
+            ``TrainState.create(..., seed=...)``.
 
     Raises:
         ValueError: ``n`` < 1, a wrong number of seeds or values, an unknown
@@ -126,12 +130,27 @@ def create_population(
     stacked = _stack(states)
     device = stacked.device
     opt_state = _with_hyper(stacked.opt_state, hyper or {}, n)
+    rngs = [initial_rng_state(device, s) for s in _rng_seeds(n, seeds, rng_seeds)]
     return stacked.replace(
         opt_state=opt_state,
-        step=torch.zeros((), dtype=torch.int64, device=device),
-        rng=initial_rng_state(device, seed),
+        step=torch.zeros(n, dtype=torch.int64, device=device),
+        rng=torch.stack(rngs),
         substates={KEY: Members(index=torch.arange(n, device=device))},
     )
+
+
+def _rng_seeds(n: int, seeds: Sequence[int] | None, rng_seeds: Sequence[int] | None) -> list[int]:
+    """Each member's generator seed: given, or what a lone run seeded with ``seeds[i]`` gets."""
+    if rng_seeds is not None:
+        if len(rng_seeds) != n:
+            raise ValueError(f"create_population: {len(rng_seeds)} rng_seeds given for {n} members")
+        return list(rng_seeds)
+    out = []
+    for s in range(n) if seeds is None else seeds:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(s)
+            out.append(default_seed())
+    return out
 
 
 def _member_modules(
@@ -260,16 +279,6 @@ def _with_hyper(opt_state: Any, hyper: Mapping[str, Sequence[float]], n: int) ->
     return opt_state.replace(hyper=values)
 
 
-def member_dims(state: TrainState) -> TrainState:
-    """``state``'s shape with, for each leaf, ``0`` (stacked by member) or ``None`` (shared).
-
-    Shared: the step counter and the generator state. This is the ``in_dims`` (and
-    ``out_dims``) of ``torch.func.vmap`` over a population.
-    """
-    dims: TrainState = pytree.tree_map(lambda _: 0, state)
-    return dims.replace(step=None, rng=None)  # type: ignore[arg-type]
-
-
 def population_size(state: TrainState) -> int:
     """The number of members of population ``state`` (raises for a single model's state)."""
     check_alive(state, "population_size")
@@ -285,8 +294,9 @@ def population_size(state: TrainState) -> int:
 def member(state: TrainState, i: int) -> TrainState:
     """Member ``i`` of population ``state`` as a single model's ``TrainState`` (copies).
 
-    Its tensors are copies of the member's slices, so it trains on with any plain
-    step, alone; ``rng`` is a copy of the population's generator state.
+    Its tensors are copies of the member's slices (its own step counter and generator
+    state included), so it trains on with any plain step, alone, as its independent
+    run would have.
 
     Example:
         >>> import torch, fasttorch
@@ -306,11 +316,10 @@ def member_view(state: TrainState, i: int, *, copy: bool = False) -> TrainState:
     """Member ``i`` of ``state`` over views of its tensors (``copy``: over copies)."""
     bare = state.without_substate(KEY)
 
-    def take(t: torch.Tensor, d: int | None) -> torch.Tensor:
-        one = t if d is None else t[i]
-        return one.clone() if copy else one
+    def take(t: torch.Tensor) -> torch.Tensor:
+        return t[i].clone() if copy else t[i]
 
-    out: TrainState = pytree.tree_map(take, bare, member_dims(bare))
+    out: TrainState = pytree.tree_map(take, bare)
     return out
 
 

@@ -490,6 +490,11 @@ def _device_lock(device: torch.device) -> threading.RLock:
     return lock
 
 
+def _stacked(state: TrainState) -> bool:
+    """Whether a sub-state says every leaf, ``rng`` included, is stacked by member."""
+    return any(getattr(s, "stacks_members", False) for s in state.substates.values())
+
+
 def _run_locked(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     for hook in step.hooks:
         hook.before(step, state)
@@ -515,11 +520,13 @@ def _run_locked(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState
     try:
         with (
             _scope.scope(in_place=step.donate, progress=progress),
-            scoped_rng(state.rng, device) as rng_now,
+            scoped_rng(state.rng, device, install=not _stacked(state)) as rng_now,
         ):
             new, metrics = step.runner(step, state, batch)
             rng = rng_now()
-            if step.donate and rng.shape == state.rng.shape:
+            if rng is None:  # one generator per member: the runner advanced them itself
+                rng = new.rng
+            elif step.donate and rng.shape == state.rng.shape:
                 rng = state.rng.copy_(rng)  # the state's own tensor takes the advanced state
     except BaseException as e:
         if step.donate and progress.began:

@@ -450,7 +450,8 @@ def test_population_smoke_writes_its_table(tmp_path):
     assert "## mlp:" in text and "backend: none" in text
     rows = [line for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
     assert len(rows) == 2
-    assert all(line.count("|") == 12 for line in rows)  # 11 columns: n, 3 rates, 2 ratios, ...
+    # 14 columns: n, 3 rates, 2 ratios, 3 state sizes, 3 peaks, 2 first calls
+    assert all(line.count("|") == 15 for line in rows)
 
 
 def _gpu_command(*args: str) -> subprocess.CompletedProcess[str]:

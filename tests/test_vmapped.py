@@ -72,7 +72,7 @@ def test_mlp_members_equal_their_own_torch_optim_loops(compile):
     if compile:
         step = fasttorch.compiled(step, backend="aot_eager")
     pop, metrics = _run(step, pop, data)
-    assert metrics["loss"].shape == (N,) and int(pop.step) == 5
+    assert metrics["loss"].shape == (N,) and pop.step.tolist() == [5] * N
     for i in range(N):
         _assert_member_matches(pop, i, models[i], [[b] for b in data], clip=0.5)
     if compile:
@@ -155,7 +155,7 @@ def test_a_nan_in_one_member_skips_only_that_member(compile):
         for name, p in ref.named_parameters():
             torch.testing.assert_close(got.params[name], p.detach(), rtol=0, atol=atol)
     # Every member counted three steps; member 1's optimizer applied two updates.
-    assert int(pop.step) == 3
+    assert pop.step.tolist() == [3] * N
     assert pop.opt_state.slots["momentum_buffer"]["inp.weight"].shape[0] == N
 
 
@@ -284,23 +284,83 @@ def _tokens(n, seed=0):
     ]
 
 
+def _seeded_adamw(i, rng_seed):
+    """Member ``i``'s optimizer, built right after ``torch.manual_seed(rng_seed)``: the
+    hand loop seeds its dropout as a lone run does, just before it trains."""
+
+    def make(ps):
+        torch.manual_seed(rng_seed)
+        return _adamw(i)(ps)
+
+    return make
+
+
+def _gpt_dropout():
+    return TinyGPT(dropout=0.5)
+
+
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_gpt_without_dropout_members_equal_their_own_loops(compile):
+def test_gpt_with_dropout_members_equal_their_own_loops(compile):
+    """Each member draws its own dropout masks: those of its hand loop seeded with its
+    generator's seed (torch's global generator, the plain nn.Dropout)."""
+    rng_seeds = [11, 12, 13]
     torch.manual_seed(0)
-    pop = _population(TinyGPT)
-    models = [_member_model(pop, i, TinyGPT) for i in range(N)]
+    pop = _population(_gpt_dropout, rng_seeds=rng_seeds)
+    models = [_member_model(pop, i, _gpt_dropout) for i in range(N)]
     data = _tokens(3)
     step = fasttorch.vmapped(fasttorch.step(_lm), N)
     if compile:
         step = fasttorch.compiled(step, backend="aot_eager")
-    pop, _ = _run(step, pop, data)
+    with torch.random.fork_rng(devices=[]):
+        pop, _ = _run(step, pop, data)
+        windows = [[b] for b in data]
+        for i in range(N):
+            make_opt = _seeded_adamw(i, rng_seeds[i])
+            ref, _ = reference_run(models[i], windows, make_opt=make_opt, loss_fn=_lm)
+            errors = fp32_reference_error(models[i], windows, make_opt=make_opt, loss_fn=_lm)
+            got = fasttorch.member(pop, i)
+            atol = params_atol(errors, got.params)
+            for name, p in ref.named_parameters():
+                torch.testing.assert_close(got.params[name], p.detach(), rtol=0, atol=atol)
+            # The generator advanced as the loop's did: three steps of two draws each.
+            torch.testing.assert_close(got.rng, torch.get_rng_state(), **EXACT)
+    # Rule 2 is far below what a different mask moves: the members' masks differ.
+    assert not torch.equal(pop.rng[0], pop.rng[1])
+
+
+def test_members_equal_independent_fasttorch_runs_with_their_seeds():
+    """Default seeding: member ``i`` is the run ``torch.manual_seed(i); make_model();
+    TrainState.create(...)`` trains (its weights and its dropout generator), step counter
+    and generator state included."""
+    pop0 = _population(_gpt_dropout)
+    data = _tokens(3)
+    plain = fasttorch.step(_lm)
+    pop, _ = _run(fasttorch.vmapped(fasttorch.step(_lm, donate=False), N), pop0, data)
     for i in range(N):
-        _assert_member_matches(pop, i, models[i], [[b] for b in data], loss_fn=_lm)
+        torch.manual_seed(i)
+        model = _gpt_dropout()
+        single = fasttorch.TrainState.create(model, optim.adamw(LRS[i], weight_decay=WDS[i]))
+        single, _ = _run(plain, single, data)
+        got = fasttorch.member(pop, i)
+        assert torch.equal(got.step, single.step) and torch.equal(got.rng, single.rng)
+        torch.manual_seed(i)
+        rng_seed = fasttorch.state.default_seed()  # what TrainState.create took
+        errors = fp32_reference_error(
+            _member_model(pop0, i, _gpt_dropout),
+            [[b] for b in data],
+            make_opt=_seeded_adamw(i, rng_seed),
+            loss_fn=_lm,
+        )
+        atol = params_atol(errors, got.params)
+        for k, p in single.params.items():
+            torch.testing.assert_close(got.params[k], p, rtol=0, atol=atol)
 
 
-def test_gpt_dropout_draws_differ_between_members_and_repeat_per_population():
-    make = lambda: TinyGPT(dropout=0.5)  # noqa: E731
-    pop = fasttorch.create_population(make, optim.adamw(1e-2), N, init="copies", seed=3)
+def test_dropout_draws_differ_between_members_and_repeat_per_population():
+    model = _gpt_dropout()
+    pop = fasttorch.create_population(
+        model, optim.adamw(1e-2), N, init="copies", rng_seeds=[3, 4, 5]
+    )
     step = fasttorch.vmapped(fasttorch.step(_lm, donate=False), N)
     a, ma = step(pop, _tokens(1)[0])
     b, mb = step(pop, _tokens(1)[0])
@@ -308,12 +368,59 @@ def test_gpt_dropout_draws_differ_between_members_and_repeat_per_population():
     w = a.params["proj.weight"]
     assert not torch.equal(w[0], w[1]) and not torch.equal(w[1], w[2])
     assert not torch.equal(ma["loss"][0], ma["loss"][1])
-    # Pure: the same population state and batch give the same draws and results.
+    # Pure: the same population state and batch give the same draws and results, and
+    # the input's generator states are left as they were.
     torch.testing.assert_close(b.params["proj.weight"], w, **EXACT)
-    # Without dropout the copies stay equal.
-    plain = fasttorch.create_population(TinyGPT, optim.adamw(1e-2), N, init="copies")
-    c, _ = step(plain, _tokens(1)[0])
-    assert torch.equal(c.params["proj.weight"][0], c.params["proj.weight"][2])
+    torch.testing.assert_close(b.rng, a.rng, **EXACT)
+    assert not torch.equal(pop.rng, a.rng)
+    # The same generator seed for two members: the same masks, whatever the others draw.
+    same = fasttorch.create_population(
+        model, optim.adamw(1e-2), N, init="copies", rng_seeds=[3, 9, 3]
+    )
+    c, _ = step(same, _tokens(1)[0])
+    torch.testing.assert_close(c.params["proj.weight"][0], w[0], **EXACT)
+    torch.testing.assert_close(c.params["proj.weight"][2], w[0], **EXACT)
+
+
+def _noisy(apply, batch):
+    """Input noise and per-sample weights drawn in the loss: torch.randn_like, torch.rand.
+
+    Drawn in float32 whatever the batch's dtype, so that the float64 run of rule 2
+    draws the same values."""
+    x, y = batch
+    x = x + 0.1 * torch.randn_like(x, dtype=torch.float32).to(x.dtype)
+    w = (torch.rand(x.shape[0], 1) + 0.5).to(x.dtype)
+    return ((apply(x) - y) ** 2 * w).mean()
+
+
+def test_rand_and_randn_draw_from_each_members_generator():
+    rng_seeds = [21, 22, 23]
+    torch.manual_seed(0)
+    pop = _population(TanhNet, rng_seeds=rng_seeds)
+    models = [_member_model(pop, i, TanhNet) for i in range(N)]
+    data = batches(3, 8)
+    pop, _ = _run(fasttorch.vmapped(fasttorch.step(_noisy), N), pop, data)
+    with torch.random.fork_rng(devices=[]):
+        for i in range(N):
+            make_opt = _seeded_adamw(i, rng_seeds[i])
+            windows = [[b] for b in data]
+            ref, _ = reference_run(models[i], windows, make_opt=make_opt, loss_fn=_noisy)
+            torch.testing.assert_close(pop.rng[i], torch.get_rng_state(), **EXACT)
+            errors = fp32_reference_error(models[i], windows, make_opt=make_opt, loss_fn=_noisy)
+            atol = params_atol(errors, pop.params)
+            for name, p in ref.named_parameters():
+                torch.testing.assert_close(pop.params[name][i], p.detach(), rtol=0, atol=atol)
+
+
+def test_random_ops_without_a_member_generator_are_refused():
+    def sampled(apply, batch):
+        x, y = batch
+        return mse(apply, (x + torch.randint(0, 2, x.shape).float(), y))
+
+    pop = _population()
+    with pytest.raises(RuntimeError, match="randomness") as info:
+        fasttorch.vmapped(fasttorch.step(sampled), N)(pop, batches(1, 8)[0])
+    assert "draws from its own generator" in "".join(info.value.__notes__)
 
 
 def test_member_trains_on_alone_and_exports_a_state_dict():
@@ -379,7 +486,7 @@ def test_refusals_at_wrap_and_create_time():
 def test_checkpoint_save_load_resume_is_bit_exact(tmp_path):
     def make():
         return fasttorch.create_population(
-            LayerNormNet, optim.adamw(1e-2), N, hyper={"lr": LRS}, seed=7
+            LayerNormNet, optim.adamw(1e-2), N, hyper={"lr": LRS}, rng_seeds=[7, 8, 9]
         )
 
     def make_step():
@@ -410,3 +517,125 @@ def test_checkpoint_save_load_resume_is_bit_exact(tmp_path):
 def _dropout_mse(apply, batch):
     x, y = batch
     return mse(lambda t: nn.functional.dropout(apply(t), 0.2), (x, y))
+
+
+class DropNet(nn.Module):
+    """TanhNet with dropout on its hidden layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.drop = nn.Dropout(0.25)
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.drop(torch.tanh(self.inp(x))))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_members_equal_their_own_fasttorch_runs(precision):
+    """bf16, and fp16 with each member's own loss scale (each starts from its own; member 1
+    meets an inf and halves its scale alone): member ``i`` against the same step run on
+    its own state.
+
+    Not bit for bit: under vmap a linear layer runs as a batched product and a batched
+    bias add, each rounded to the half dtype, where the single model's addmm rounds
+    once; so rule 4 (tests/tolerance.py) with two half roundings per chain
+    (``half_roundings=2``) on top of rule 2. The dropout masks are the same bits.
+    """
+    torch.manual_seed(0)
+    pop0 = fasttorch.create_population(
+        DropNet, optim.sgd(0.1, momentum=0.9), N, hyper={"lr": SGD_LRS}
+    )
+    data = [batches(3, 8, seed=s) for s in range(N)]
+    if precision == "fp16":
+        data[1][1] = (data[1][1][0] * math.inf, data[1][1][1])
+    stacked = [
+        tuple(torch.stack([data[i][k][j] for i in range(N)]) for j in range(2)) for k in range(3)
+    ]
+    inner = fasttorch.with_amp(fasttorch.step(mse, donate=False), precision)
+    step = fasttorch.vmapped(inner, N, in_dims=0)
+    pop0 = step.init(pop0)
+    if precision == "fp16":  # each member's own initial loss scale, a [n] tensor
+        amp = pop0.substates["amp"].replace(scale=torch.tensor([2.0**10, 2.0**16, 2.0**12]))
+        pop0 = pop0.replace(substates={**pop0.substates, "amp": amp})
+    pop, _ = _run(step, pop0, stacked)
+    if precision == "fp16":
+        assert pop.substates["amp"].scale.tolist() == [2.0**10, 2.0**15, 2.0**12]
+    for i in range(N):
+        single, _ = _run(inner, fasttorch.member(pop0, i), data[i])
+        got = fasttorch.member(pop, i)
+        torch.testing.assert_close(got.rng, single.rng, **EXACT)
+        torch.testing.assert_close(got.step, single.step, **EXACT)
+        if precision == "fp16":
+            amp, single_amp = got.substates["amp"], single.substates["amp"]
+            torch.testing.assert_close(amp.scale, single_amp.scale, **EXACT)
+        # Rule 2's fp32 loop: the skipped step (the inf) changes nothing, so it is left out.
+        windows = [[b] for b in data[i] if bool(torch.isfinite(b[0]).all())]
+        torch.manual_seed(i)
+        make_opt = _seeded_sgd(i, fasttorch.state.default_seed())
+        errors = fp32_reference_error(_member_model(pop0, i, DropNet), windows, make_opt=make_opt)
+        atol = params_atol(
+            errors, got.params, precision=precision, steps=3, lr=SGD_LRS[i], half_roundings=2
+        )
+        for k, p in single.params.items():
+            torch.testing.assert_close(got.params[k], p, rtol=0, atol=atol)
+
+
+def _seeded_sgd(i, rng_seed):
+    def make(ps):
+        torch.manual_seed(rng_seed)
+        return torch.optim.SGD(ps, lr=SGD_LRS[i], momentum=0.9)
+
+    return make
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_population_step_runs_without_host_sync(mode):
+    from test_no_host_sync import forbid_host_sync
+
+    torch.manual_seed(0)
+    pop = fasttorch.create_population(DropNet, optim.adamw(1e-2), N, hyper={"lr": LRS})
+    inner = fasttorch.clip_scaled(
+        fasttorch.grad_accumulate(fasttorch.with_amp(fasttorch.step(mse), "fp16"), 2), 1.0
+    )
+    step = fasttorch.vmapped(fasttorch.ema(inner, 0.9), N)
+    if mode == "compiled":
+        step = fasttorch.compiled(step, backend="aot_eager")
+    data = batches(5, 8)
+    pop, _ = _run(step, pop, data[:2])  # compile first: tracing may inspect values
+    bad = (data[2][0] * math.inf, data[2][1])
+    with forbid_host_sync(), torch.profiler.profile() as prof:
+        pop, metrics = _run(step, pop, [bad, *data[3:]])
+    reads = [e.name for e in prof.events() if e.name == "aten::_local_scalar_dense"]
+    assert not reads, len(reads)
+    assert metrics["loss"].shape == (N,) and pop.step.tolist() == [5] * N
+
+
+@pytest.mark.slow
+def test_inductor_population_with_dropout_matches_eager():
+    """The one population test that pays for inductor: a tiny MLP with dropout. The
+    members' draws are an opaque operator to inductor (the same bits as eager); inductor
+    fuses and reorders the rest, so rule 2 bounds the gap."""
+    torch.manual_seed(0)
+    pop0 = fasttorch.create_population(DropNet, optim.sgd(0.1), 2, hyper={"lr": [0.1, 0.2]})
+    data = batches(3, 8)
+    inner = fasttorch.vmapped(fasttorch.step(mse, donate=False), 2)
+    eager, _ = _run(inner, pop0, data)
+    fast, _ = _run(fasttorch.compiled(inner), pop0, data)
+    torch.testing.assert_close(fast.rng, eager.rng, **EXACT)
+    for i in range(2):
+        torch.manual_seed(i)
+        rng_seed = fasttorch.state.default_seed()
+
+        def make_opt(ps, i=i, rng_seed=rng_seed):
+            torch.manual_seed(rng_seed)
+            return torch.optim.SGD(ps, lr=[0.1, 0.2][i])
+
+        errors = fp32_reference_error(
+            _member_model(pop0, i, DropNet), [[b] for b in data], make_opt=make_opt
+        )
+        got = fasttorch.member(fast, i)
+        atol = params_atol(errors, got.params)
+        for k, p in fasttorch.member(eager, i).params.items():
+            torch.testing.assert_close(got.params[k], p, rtol=0, atol=atol)

@@ -100,7 +100,7 @@ def _plan(
             "checkpoints (it is created if missing)"
         )
     keys, leaves, _ = _flatten(state)
-    step = int(state.step)
+    step = _step_count(state)
     micro = window_position(state.substates)
     if name is None:
         name = f"step_{step:09d}" + (f"_micro{micro}" if micro else "")
@@ -160,7 +160,7 @@ def _plan_write(
     _statics(state, "", statics)
     manifest = {
         "format": FORMAT,
-        "step": int(state.step),
+        "step": _step_count(state),
         "micro": window_position(state.substates),
         "world_size": world,
         "module": _class_name(state.module),
@@ -358,3 +358,8 @@ def save(
     keep = _check_keep(api, keep_last, keep_best, mode, saving=True)
     plan = _plan(directory, state, data, name, keep, _check_metric(api, metric), None, api)
     return _write(plan, None)
+
+
+def _step_count(state: TrainState) -> int:
+    """The state's step count; a population's members each count theirs: the largest."""
+    return int(state.step.max())

@@ -10,8 +10,11 @@ population; three things are adapted to vmap, here:
   ``torch.autograd.grad`` cannot run inside vmap);
 * ``torch._foreach_*`` kernels have no batching rules: a ``TorchFunctionMode`` runs
   each as the per-tensor ops it stands for (the same arithmetic, tensor by tensor);
-* random ops use ``randomness="different"``: members draw different values from the
-  population's one generator.
+* random ops draw from each member's own generator state (``state.rng[i]``): dropout,
+  ``torch.rand``/``randn`` and their ``_like`` forms go through ``fasttorch._rng.draw_``,
+  whose vmap rule draws member by member, so member ``i`` draws what its lone run
+  draws; any other random op is refused (vmap's ``randomness="error"``), since it
+  would draw from one generator for all members.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from fasttorch import _checks, _compat, _scope
+from fasttorch._rng import draw_
 from fasttorch.donation import commit
 from fasttorch.phases import Batch, Metrics
 from fasttorch.population import (
@@ -33,7 +37,6 @@ from fasttorch.population import (
     Members,
     check_module,
     check_optimizer,
-    member_dims,
     member_view,
 )
 from fasttorch.state import TrainState
@@ -69,8 +72,8 @@ def vmapped(step: Step, n: int, *, in_dims: InDims = None) -> Step:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
-    Dropout draws differ between members but are not those of a lone run with the
-    member's seed (they come from the population's generator): see docs/population.md.
+    Each member draws its dropout masks from its own generator state: those of its
+    lone run (docs/population.md, "Dropout and other random ops").
 
     Args:
         step: a step built by :func:`fasttorch.step`, possibly transformed, not compiled.
@@ -93,8 +96,8 @@ def vmapped(step: Step, n: int, *, in_dims: InDims = None) -> Step:
         ...     hyper={"lr": [0.01, 0.1, 1.0]})
         >>> train = fasttorch.vmapped(fasttorch.step(loss_fn), 3)
         >>> pop, metrics = train(pop, (torch.randn(8, 4), torch.randn(8, 1)))
-        >>> tuple(metrics["loss"].shape), int(pop.step)
-        ((3,), 1)
+        >>> tuple(metrics["loss"].shape), pop.step.tolist()
+        ((3,), [1, 1, 1])
     """
     check_wrap(step, "vmapped")
     _compat.register_foreach_batching(_per_tensor)
@@ -149,11 +152,12 @@ def vmapped_eval(
         _check_state(state, n)
 
         def one(member_state: TrainState, b: Batch) -> Metrics:
-            with _PerTensor():
+            with _PerTensor(None):
                 return fn(member_state, b)
 
-        dims = member_dims(state)
-        out: Metrics = torch.func.vmap(one, in_dims=(dims, in_dims), randomness="different")(
+        # Evaluation draws nothing (dropout is off); a sampling function draws from the
+        # caller's generator, different values per member, as eval_step draws from it.
+        out: Metrics = torch.func.vmap(one, in_dims=(0, in_dims), randomness="different")(
             state, batch
         )
         return out
@@ -179,9 +183,18 @@ def _run_population(
     # Eager phases read the call scope: no in-place update, no backward into .grad.
     with _scope.scope(in_place=False, into=None):
         try:
-            new, metrics = kernel(state, batch)
+            return kernel(state, batch)  # type: ignore[no-any-return]
         except RuntimeError as e:
-            if "vmap" in str(e) or "Batching rule" in str(e):
+            if "randomness" in str(e):
+                e.add_note(
+                    "fasttorch.vmapped: each member draws from its own generator through "
+                    "F.dropout (nn.Dropout), torch.rand, torch.randn, torch.rand_like and "
+                    "torch.randn_like; other random ops (scaled_dot_product_attention's "
+                    "dropout_p, torch.randint, Tensor.bernoulli_, ...) would draw from one "
+                    "generator for all members and are refused. Use those ops instead "
+                    "(attention dropout as nn.Dropout on the attention weights)"
+                )
+            elif "vmap" in str(e) or "Batching rule" in str(e):
                 e.add_note(
                     "fasttorch.vmapped: the step ran under torch.func.vmap, which cannot "
                     "batch .item(), Python branching on tensor values, in-place writes into "
@@ -189,7 +202,6 @@ def _run_population(
                     "the loss function free of those (docs/population.md)"
                 )
             raise
-    return new.replace(rng=state.rng), metrics
 
 
 def _members(
@@ -198,15 +210,17 @@ def _members(
     """The whole population's call: ``inner``'s runner under vmap, then donation."""
 
     def one(member_state: TrainState, b: Batch) -> tuple[TrainState, Metrics]:
-        with _PerTensor():
+        # The member's random ops advance its generator state in place (draw_).
+        with _PerTensor(member_state.rng):
             new, metrics = inner.runner(inner, member_state, b)
         return new.replace(rng=member_state.rng), metrics
 
-    dims = member_dims(state)
-    out_dims: Any = (dims, 0)  # a pytree prefix, as in_dims (the stub says ints only)
-    new, metrics = torch.func.vmap(
-        one, in_dims=(dims, in_dims), out_dims=out_dims, randomness="different"
-    )(state, batch)
+    # Draws write into the generator states: a copy, so that the input stays as it was
+    # (donation then copies the advanced states back, as every other leaf).
+    fresh = state.replace(rng=state.rng.clone())
+    out_dims: Any = (0, 0)  # a pytree prefix, as in_dims (the stub says ints only)
+    members = torch.func.vmap(one, in_dims=(0, in_dims), out_dims=out_dims, randomness="error")
+    new, metrics = members(fresh, batch)
     return commit(donate, state, new), metrics
 
 
@@ -232,10 +246,10 @@ def _vmapped_init(make: Callable[[TrainState], Any], state: TrainState) -> Any:
     """A transform's sub-state, built for each member (``make`` under vmap)."""
 
     def one(member_state: TrainState) -> Any:
-        with _PerTensor():
+        with _PerTensor(None):
             return make(member_state)
 
-    out = torch.func.vmap(one, in_dims=(member_dims(state),), randomness="different")(state)
+    out = torch.func.vmap(one, in_dims=(0,), randomness="error")(state)
     # A value the same for every member comes back expanded (stride 0): own memory.
     return pytree.tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, out)
 
@@ -275,7 +289,15 @@ class _PerMember:
 
 
 class _PerTensor(TorchFunctionMode):
-    """Ops rewritten for vmap inside a member's step: ``F.layer_norm`` under autocast."""
+    """Ops rewritten for vmap inside a member's step: random ops, ``F.layer_norm``.
+
+    ``rng``: the member's generator state, which its random ops advance (``None``
+    where nothing may draw: evaluation and sub-state initialisation).
+    """
+
+    def __init__(self, rng: torch.Tensor | None) -> None:
+        super().__init__()
+        self.rng = rng
 
     def __torch_function__(
         self,
@@ -287,7 +309,51 @@ class _PerTensor(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.nn.functional.layer_norm:
             return _layer_norm(*args, **kwargs)
+        if self.rng is not None:
+            drawn = _draw(self.rng, func, args, kwargs)
+            if drawn is not None:
+                return drawn
         return func(*args, **kwargs)
+
+
+def _draw(rng: torch.Tensor, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``func(*args, **kwargs)`` drawn from the member's own ``rng``, or ``None`` (not random).
+
+    Each form runs the kernel call a single model makes on its global generator:
+    ``F.dropout`` is ``x * (empty_like(x).bernoulli_(1 - p) / (1 - p))`` (ATen's
+    ``_dropout_impl`` on CPU), ``torch.rand`` is ``empty(size).uniform_()``,
+    ``torch.randn`` is ``empty(size).normal_()``.
+    """
+    if func is torch.nn.functional.dropout:
+        return _dropout(rng, *args, **kwargs)
+    if func in _LIKE and set(kwargs) <= {"dtype"}:
+        x = args[0]
+        dtype = kwargs.get("dtype") or x.dtype
+        return draw_(rng, _LIKE[func], list(x.shape), 0.0, dtype, x.device)
+    if func in _SIZED and set(kwargs) <= {"dtype", "device"}:
+        size = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+        dtype = kwargs.get("dtype") or torch.get_default_dtype()
+        device = torch.device(kwargs.get("device") or torch.get_default_device())
+        return draw_(rng, _SIZED[func], [int(d) for d in size], 0.0, dtype, device)
+    return None
+
+
+_LIKE = {torch.rand_like: "uniform", torch.randn_like: "normal"}
+_SIZED = {torch.rand: "uniform", torch.randn: "normal"}
+
+
+def _dropout(
+    rng: torch.Tensor,
+    x: torch.Tensor,
+    p: float = 0.5,
+    training: bool = True,
+    inplace: bool = False,
+) -> torch.Tensor | None:
+    if not training or not 0 < p < 1 or x.numel() == 0:  # draws nothing (or torch's error)
+        return torch.nn.functional.dropout(x, p, training, inplace)
+    noise = draw_(rng, "bernoulli", list(x.shape), 1 - p, x.dtype, x.device)
+    noise = noise.div_(1 - p)
+    return x.mul_(noise) if inplace else x * noise
 
 
 def _layer_norm(
