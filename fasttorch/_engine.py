@@ -113,8 +113,8 @@ def _grad_functional(loss: LossPhase, state: TrainState, batch: Batch, mult: Any
 class IntoGrad:
     """An eager window accumulating in the module's ``.grad`` (see ``_grad_into_module``).
 
-    ``grad_accumulate`` puts one in the call scope (``_scope``) for the window
-    (``sync_on_last`` too, for a sharded state).
+    The window's ``.grad`` engine (:mod:`fasttorch.window`) puts one in the call scope
+    (``_scope``) for the window, a sharded window one of its own (``fsdp.ShardedWindow``).
     """
 
     first: torch.Tensor | None = None  # the weight each microbatch's seed is relative to
@@ -123,7 +123,7 @@ class IntoGrad:
     def reference(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight seeds are relative to, given the first microbatch's: that one.
 
-        A sharded window (``sync_on_last``) takes the mean over ranks instead, so that
+        A sharded window takes the mean over ranks instead, so that
         every rank's gradients carry the same factor when FSDP2 reduces them.
         """
         return weight
