@@ -164,7 +164,10 @@ def _returned(out: Any) -> str:
 def run(step: Step, state: TrainState, batch: Batch) -> Result:
     """The default runner: one call's window of microbatches, then its update."""
     w = step.window
-    sharded = is_sharded(state.module)
+    # Host-side facts, read outside any graph: a graph traces this loop only when a
+    # runner around it compiles the whole call (vmapped), where neither applies.
+    eager_call = not torch.compiler.is_compiling()
+    sharded = eager_call and is_sharded(state.module)
     if sharded and w.reduce is None:
         raise ValueError(
             f"step {step.name!r}: the state is sharded with FSDP2 (fully_shard), whose "
@@ -182,7 +185,7 @@ def run(step: Step, state: TrainState, batch: Batch) -> Result:
         if w.n == 1:
             full = kernel(step, "full", lambda: functools.partial(_full, step))
             return full(state, batch)  # type: ignore[no-any-return]
-        params = module_tensors(state) if step.jit is eager else None
+        params = module_tensors(state) if eager_call and step.jit is eager else None
         if params is not None:
             return _in_module(step, state, micro, InModule(params))
     return _in_kernels(step, state, micro)
