@@ -21,7 +21,7 @@ __all__ = ["CallScope", "Progress", "begin", "current", "scope"]
 class CallScope:
     """``in_place``: the call donates its state, so phases may update its tensors in place.
     ``into``: an eager accumulation window whose backward adds into the module's ``.grad``
-    (a :class:`fasttorch.phases.IntoGrad`), or ``None``. ``progress``: the driver's
+    (a :class:`fasttorch._engine.IntoGrad`), or ``None``. ``progress``: the driver's
     :class:`Progress` of the call.
     """
 

@@ -1,13 +1,15 @@
 """A training step: the :class:`Step` record, :func:`step`, wrap checks and the driver.
 
 A :class:`Step` is ``(state, batch) -> (state, metrics)``. It holds three phases
-(:mod:`fasttorch.phases`) that transforms replace one at a time, and four hooks through
-which a transform changes how a call runs, never a field of its own:
+(:mod:`fasttorch.phases`) that transforms replace one at a time, its accumulation
+window, and three hooks through which a transform changes how a call runs, never a
+field of its own:
 
-* ``runner(step, state, batch)``: runs one call's gradients and update (default: the
-  whole batch at once; ``grad_accumulate`` installs a window over microbatches);
-* ``finish(step, state, window, batch, n, reset)``: how a window's last microbatch and
-  its update run (``sync_on_last`` installs one that reduces across ranks);
+* ``window``: a :class:`~fasttorch.window.Window`, what the call's window is: ``n``
+  microbatches (``grad_accumulate``), within or across calls, and how its gradients
+  are reduced across ranks (``sync_on_last``); :func:`fasttorch.window.run` runs it;
+* ``runner(step, state, batch)``: runs one call's gradients and update (default:
+  :func:`fasttorch.window.run`; ``compiled`` wraps it under CUDA graphs);
 * ``jit(fn, cpp_wrapper=...)``: turns each pure function the step runs into a kernel
   (identity; ``compiled`` installs ``torch.compile``);
 * ``hooks``: objects whose ``before(step, state)`` and ``after(step, new)`` run around
@@ -19,7 +21,6 @@ inputs, adding sub-states, the RNG and call scope, and donation.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import threading
 from collections.abc import Callable
@@ -32,7 +33,6 @@ import torch.utils._pytree as pytree
 from fasttorch import _checks, _scope
 from fasttorch._checks import warn_once
 from fasttorch._rng import scoped_rng
-from fasttorch.donation import commit
 from fasttorch.optim._base import check_matches
 from fasttorch.phases import (
     Batch,
@@ -55,17 +55,17 @@ from fasttorch.state import (
     TrainState,
     check_alive,
     check_template,
-    is_sharded,
     mark_donated,
     mark_failed,
     mark_template_ok,
     restore_training,
 )
 from fasttorch.substates import SubState, merge
+from fasttorch.window import Window, apply_update, eager, kernel, memo
+from fasttorch.window import run as run_window
 
 __all__ = [
     "CallHook",
-    "Finisher",
     "GradOut",
     "Loss",
     "Runner",
@@ -90,27 +90,6 @@ class Runner(Protocol):
         ...
 
 
-class Finisher(Protocol):
-    """Runs a window's last microbatch and the window's update.
-
-    ``window`` holds the earlier microbatches' gradient sums (``None`` without
-    accumulation: the batch is the whole window); with ``reset`` the window is the
-    state's and comes back zeroed as ``fresh``. Returns ``(state, metrics, fresh,
-    weight of the last microbatch)``.
-
-    A finisher may also run whole windows: ``window(step, state, microbatches)``
-    returning ``(state, metrics)``, or ``None`` to leave the state to the runner's own
-    loop (``grad_accumulate`` asks it first). ``shards = True`` says it trains states
-    sharded with FSDP2, which no other code path does.
-    """
-
-    def __call__(
-        self, step: Step, state: TrainState, window: Any, batch: Batch, n: int, reset: bool
-    ) -> tuple[TrainState, Metrics, Any, torch.Tensor]:
-        """Finish the window."""
-        ...
-
-
 class CallHook(Protocol):
     """Host-side code around each call of a step, outside any graph."""
 
@@ -121,48 +100,6 @@ class CallHook(Protocol):
     def after(self, step: Step, new: TrainState) -> None:
         """Called with the new state once the call has returned it."""
         ...
-
-
-def eager(fn: Callable[..., Any], *, cpp_wrapper: bool = False) -> Callable[..., Any]:
-    """The default ``jit`` hook: run ``fn`` as it is."""
-    return fn
-
-
-def run_whole(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-    """The default runner: gradients of the whole batch, then the update."""
-    if step.finish is not None:
-        new, metrics, _, _ = step.finish(step, state, None, batch, 1, False)
-        return new, metrics
-    full = step.kernel("full", lambda: functools.partial(_full, step))
-    return full(state, batch)  # type: ignore[no-any-return]
-
-
-def _begins(kernel: Callable[..., Any]) -> Callable[..., Any]:
-    """``kernel``, noting in the call scope that the call has begun when it runs."""
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        _scope.begin()
-        return kernel(*args, **kwargs)
-
-    return run
-
-
-def _full(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-    return apply_update(step, state, step.grad(step.loss, state, batch, 1.0))
-
-
-def apply_update(step: Step, state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
-    """The update phase, its result committed into ``state``'s tensors under donation."""
-    out = step.update(state, g)
-    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], TrainState)):
-        raise TypeError(
-            f"step {step.name!r}: its update phase returned {_returned(out)}; an update "
-            "phase returns (new_state, metrics), a TrainState and a dict of tensors (the "
-            "metrics of the phase it wraps, or {}). Return both, e.g. "
-            "new, metrics = inner(state, g); return new.replace(...), metrics"
-        )
-    new, metrics = out
-    return commit(step.donate, state, new), metrics
 
 
 @attrs.frozen(slots=False)
@@ -184,8 +121,8 @@ class Step:
     inits: tuple[SubState, ...] = ()
     donate: bool = True
     transforms: tuple[str, ...] = ()
-    runner: Runner = run_whole
-    finish: Finisher | None = None
+    runner: Runner = run_window
+    window: Window = attrs.field(factory=Window)
     jit: Callable[..., Callable[..., Any]] = eager
     hooks: tuple[CallHook, ...] = ()
 
@@ -250,23 +187,16 @@ class Step:
     ) -> Callable[..., Any]:
         """The function ``make()`` returns, passed through ``jit`` once per step and name.
 
-        Runners and finishers get their pure functions here, so that under ``compiled``
-        each is compiled once and reused. ``cpp_wrapper``: a hint to the compiler that
+        The window (:mod:`fasttorch.window`) and the reductions get their pure functions
+        here, so that under ``compiled`` each is compiled once and reused (the cache is
+        :func:`fasttorch.window.kernel`'s). ``cpp_wrapper``: a hint to the compiler that
         this function holds the model's forward and backward (see ``compiled``).
         """
-        cache: dict[str, Callable[..., Any]] = self.__dict__.setdefault("_kernels", {})
-        fn = cache.get(name)
-        if fn is None:
-            fn = self.jit(make(), cpp_wrapper=cpp_wrapper)
-            if not self.is_eager:
-                fn = _begins(fn)
-            cache[name] = fn
-        return fn
+        return kernel(self, name, make, cpp_wrapper=cpp_wrapper)
 
     def memo(self, name: str) -> dict[str, Any]:
         """A dict owned by this step for ``name``: buffers a runner reuses across calls."""
-        memos: dict[str, dict[str, Any]] = self.__dict__.setdefault("_memos", {})
-        return memos.setdefault(name, {})
+        return memo(self, name)
 
 
 def step(loss_fn: LossFn, *, donate: bool = True) -> Step:
@@ -332,13 +262,6 @@ def step(loss_fn: LossFn, *, donate: bool = True) -> Step:
 
 
 # --------------------------------------------------------------------------- checks
-
-
-def _returned(out: Any) -> str:
-    if isinstance(out, tuple):
-        kinds = ", ".join(type(x).__name__ for x in out)
-        return f"a tuple of {len(out)} ({kinds})"
-    return f"a {type(out).__name__}"
 
 
 def check_signature(loss_fn: Callable[..., Any], name: str) -> None:
@@ -498,13 +421,6 @@ def _stacked(state: TrainState) -> bool:
 def _run_locked(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
     for hook in step.hooks:
         hook.before(step, state)
-    if is_sharded(state.module) and not getattr(step.finish, "shards", False):
-        raise ValueError(
-            f"step {step.name!r}: the state is sharded with FSDP2 (fully_shard), whose "
-            "gradients are reduce-scattered by its own hooks, but the step has no "
-            "transform that drives them. Wrap it with fasttorch.sync_on_last (after "
-            'grad_accumulate, before compiled): docs/distributed.md, "Sharding"'
-        )
     device = state.device
     check_batch(batch, device, step.name, state.params)
     check_template(state, step.name)

@@ -237,10 +237,10 @@ def test_calling_the_module_directly_gives_the_same_bits_as_functional_call():
     """A donated state shares storage with its module, so eager steps call the module
     as is; copying semantics (and any state whose tensors are not the module's) go
     through functional_call. Both must give identical results."""
-    from fasttorch import _scope, phases
+    from fasttorch import _engine, _scope, phases
 
     calls = []
-    real = phases.module_tensors
+    real = _engine.module_tensors
 
     def spy(state):
         out = real(state)
@@ -257,7 +257,7 @@ def test_calling_the_module_directly_gives_the_same_bits_as_functional_call():
         copying = fasttorch.clip_scaled(
             fasttorch.grad_accumulate(fasttorch.step(mse, donate=False), 2), 1.0
         )
-        phases.module_tensors = spy
+        _engine.module_tensors = spy
         try:
             for b in batches(4, 16):
                 calls.clear()
@@ -267,7 +267,7 @@ def test_calling_the_module_directly_gives_the_same_bits_as_functional_call():
                 states[1], _ = copying(states[1], b)
                 assert calls and not any(calls)  # functional_call
         finally:
-            phases.module_tensors = real
+            _engine.module_tensors = real
         for a, c in zip(
             torch.utils._pytree.tree_leaves(
                 (states[0].params, states[0].buffers, states[0].opt_state)

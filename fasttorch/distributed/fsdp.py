@@ -27,7 +27,6 @@ does around it, once per window:
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -36,8 +35,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fasttorch import _compat, _scope
+from fasttorch import _compat
 from fasttorch._checks import warn_once
+from fasttorch._engine import IntoGrad
 from fasttorch.distributed.reducer import (
     DistributedStepError,
     SyncConfig,
@@ -45,20 +45,12 @@ from fasttorch.distributed.reducer import (
     wait,
     window_counts,
 )
-from fasttorch.phases import (
-    Batch,
-    GradOut,
-    IntoGrad,
-    Metrics,
-    add_weighted_aux,
-    divide_aux,
-    reciprocal,
-    skip_empty_window,
-)
+from fasttorch.phases import GradOut, Tensors, reciprocal, skip_empty_window
 from fasttorch.state import TrainState, local_tensor, reshard
-from fasttorch.steps import Step, apply_update
+from fasttorch.steps import Step
+from fasttorch.window import InModule, Sums
 
-__all__ = ["as_dtensor", "run_sharded_window", "sharded_leaves", "sharded_parameters"]
+__all__ = ["ShardedWindow", "as_dtensor", "sharded_leaves", "sharded_parameters"]
 
 
 def sharded_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -199,89 +191,88 @@ def _kept_gathered(roots: list[Any]) -> list[Any]:
     return keep
 
 
-def run_sharded_window(
-    config: SyncConfig, step: Step, state: TrainState, micro: list[Batch]
-) -> tuple[TrainState, Metrics]:
-    """One window of ``micro`` microbatches over a sharded state, then its update."""
-    roots = _check(config, step, state)
-    root = roots[0]
-    params = sharded_parameters(state.module)
-    _check_storage(step, state, params)
-    n = len(micro)
-    keep = _kept_gathered(roots) if n > 1 else []
-    into = _ShardedInto(config)
-    saved = {k: p.grad for k, p in params.items()}
-    value_sum: torch.Tensor | None = None
-    local_weight: torch.Tensor | None = None
-    aux_sum: Any = None
-    last: GradOut | None = None
-    try:
-        for p in params.values():
-            p.grad = None
-        for i, mb in enumerate(micro):
-            root.set_requires_gradient_sync(i == n - 1)
-            for m in keep:
-                m.set_reshard_after_backward(i == n - 1, recurse=False)
-            with _scope.scope(into=into):
-                g = step.grad(step.loss, state, mb, 1.0 / n)
-            vw = g.value.to(torch.float64) * g.weight
-            value_sum = vw if value_sum is None else value_sum + vw
-            local_weight = g.weight if local_weight is None else local_weight + g.weight
-            if g.aux is not None:
-                aux_sum = add_weighted_aux(aux_sum, g.aux, g.weight)
-            last = g
-        assert last is not None and value_sum is not None and local_weight is not None
-        grads = {
-            k: local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
-            for k, p in params.items()
-        }
-        # FSDP2 reduce-scatters only the parameters with a gradient and leaves the
-        # others' .grad None, as torch.optim then skips: so does the update (FSDP2
-        # needs every rank to agree on that set, or its reduce-scatter does not match).
-        unused = frozenset(k for k, p in params.items() if p.grad is None)
-    finally:
-        root.set_requires_gradient_sync(True)
-        for m in keep:
+class ShardedWindow(InModule):
+    """A window over a state sharded with FSDP2, for the ``.grad`` engine of
+    :mod:`fasttorch.window` (``sync_on_last``'s reduction installs it)."""
+
+    value_dtype = torch.float64
+
+    def __init__(self, config: SyncConfig, step: Step, state: TrainState, n: int) -> None:
+        roots = _check(config, step, state)
+        params = sharded_parameters(state.module)
+        _check_storage(step, state, params)
+        super().__init__(params, _ShardedInto(config))
+        self.config = config
+        self.module = state.module
+        self.root = roots[0]
+        self.keep = _kept_gathered(roots) if n > 1 else []
+
+    def before(self, i: int, n: int) -> None:
+        """Sync (reduce-scatter) and reshard on the last microbatch only."""
+        self.root.set_requires_gradient_sync(i == n - 1)
+        for m in self.keep:
+            m.set_reshard_after_backward(i == n - 1, recurse=False)
+
+    def after(self) -> None:
+        """FSDP2's defaults back; a window that failed part-way leaves nothing gathered."""
+        self.root.set_requires_gradient_sync(True)
+        for m in self.keep:
             m.set_reshard_after_backward(True, recurse=False)
-        for k, p in params.items():
-            p.grad = saved[k]
-        reshard(state.module)  # a window that failed part-way leaves nothing gathered
-    ts = list(grads.values())
-    # One kernel per step of this, not per tensor: on a GPU each launch costs more than
-    # the arithmetic of a norm.
-    sumsq = torch.stack(torch._foreach_norm(ts)).to(torch.float64).square().sum()
-    counts = window_counts(local_weight, value_sum, n, state.step, sumsq)
-    wait(
-        dist.all_reduce(counts, group=config.group, async_op=True),
-        config,
-        "the window's sample counts and gradient norm",
-    )
-    check_agreement(counts, config, n)
-    total, ranks = counts[0], counts[2]
-    assert into.first is not None
-    # The reduced gradient is sum_(r,i) w_ri * grad_ri * mult / (n * ranks * reference)
-    # (FSDP2 averages over ranks; mult is 1/n times any loss scale), the window's mean
-    # times the loss scale times total / (n * ranks * reference): a factor the shards
-    # carry to the update phase as their scale, which divides it out in the pass that
-    # unscales (fused into the update graph under compiled), not in a pass of its own.
-    # It is exactly 1 with equal weights.
-    factor = total / (n * ranks * into.first.to(torch.float64))
-    if last.scale is not None:
-        factor = factor * last.scale.to(torch.float64)
-    scale = factor.to(torch.float32)
-    norm = counts[7].sqrt().to(torch.float32) * reciprocal(scale)
-    aux = None
-    if aux_sum is not None:
-        aux = divide_aux(aux_sum, local_weight)
-    window = GradOut(
-        grads=grads,
-        value=(counts[1] / total).to(last.value.dtype),
-        weight=total.to(torch.float32),
-        aux=aux,
-        scale=scale,
-        norm=norm,
-        counted=last.counted,
-        unused=unused,
-    )
-    apply = step.kernel("apply", lambda: functools.partial(apply_update, step))
-    return apply(state, skip_empty_window(window))  # type: ignore[no-any-return]
+        reshard(self.module)
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of ``t``."""
+        return local_tensor(t)
+
+    def mean(
+        self,
+        step: Step,
+        state: TrainState,
+        grads: Tensors,
+        unused: frozenset[str],
+        sums: Sums,
+        last: GradOut,
+    ) -> GradOut:
+        """The window's mean over every rank, its norm agreed on by all of them.
+
+        FSDP2 reduce-scattered only the parameters with a gradient and left the others'
+        ``.grad`` None, as ``torch.optim`` then skips: so does the update (FSDP2 needs
+        every rank to agree on that set, or its reduce-scatter does not match).
+        """
+        config, into, n = self.config, self.into, sums.count
+        assert sums.value is not None and sums.weight is not None
+        ts = list(grads.values())
+        # One kernel per step of this, not per tensor: on a GPU each launch costs more
+        # than the arithmetic of a norm.
+        sumsq = torch.stack(torch._foreach_norm(ts)).to(torch.float64).square().sum()
+        counts = window_counts(sums.weight, sums.value, n, state.step, sumsq)
+        wait(
+            dist.all_reduce(counts, group=config.group, async_op=True),
+            config,
+            "the window's sample counts and gradient norm",
+        )
+        check_agreement(counts, config, n)
+        total, ranks = counts[0], counts[2]
+        assert into.first is not None
+        # The reduced gradient is sum_(r,i) w_ri * grad_ri * mult / (n * ranks * reference)
+        # (FSDP2 averages over ranks; mult is 1/n times any loss scale), the window's mean
+        # times the loss scale times total / (n * ranks * reference): a factor the shards
+        # carry to the update phase as their scale, which divides it out in the pass that
+        # unscales (fused into the update graph under compiled), not in a pass of its own.
+        # It is exactly 1 with equal weights.
+        factor = total / (n * ranks * into.first.to(torch.float64))
+        if last.scale is not None:
+            factor = factor * last.scale.to(torch.float64)
+        scale = factor.to(torch.float32)
+        norm = counts[7].sqrt().to(torch.float32) * reciprocal(scale)
+        window = GradOut(
+            grads=grads,
+            value=(counts[1] / total).to(last.value.dtype),
+            weight=total.to(torch.float32),
+            aux=last.aux,  # the window's mean aux replaces it in the metrics
+            scale=scale,
+            norm=norm,
+            counted=last.counted,
+            unused=unused,
+        )
+        return skip_empty_window(window)

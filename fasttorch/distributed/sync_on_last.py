@@ -3,53 +3,39 @@
 from __future__ import annotations
 
 import datetime
-import functools
 from typing import Any
 
-import torch
+import attrs
 
 from fasttorch import _checks
-from fasttorch.distributed.fsdp import run_sharded_window
+from fasttorch._accum import AccumState
+from fasttorch.distributed.fsdp import ShardedWindow
 from fasttorch.distributed.reducer import SyncConfig, WindowReduction
-from fasttorch.donation import commit
-from fasttorch.phases import Batch, Loss, Metrics, Tensors
-from fasttorch.state import TrainState, is_sharded
-from fasttorch.steps import Step, apply_update, check_wrap
+from fasttorch.phases import Batch, GradOut, Loss, Tensors
+from fasttorch.state import TrainState
+from fasttorch.steps import Step, check_wrap
+from fasttorch.window import InModule
 
 __all__ = ["sync_on_last"]
 
 
 class _Sync(SyncConfig):
-    """The finisher ``sync_on_last`` installs: the window's last microbatch, reduced.
+    """The reduction ``sync_on_last`` installs in the step's window.
 
-    A state sharded with FSDP2 goes to :func:`run_sharded_window` instead, which runs
-    the whole window (``window``).
+    A replicated state: the window's last microbatch runs with the reducer's hooks
+    (bucketed all-reduce while its backward runs). A state sharded with FSDP2: the
+    window runs in the module's ``.grad`` with FSDP2's reduce-scatter on the last
+    microbatch (:class:`~fasttorch.distributed.fsdp.ShardedWindow`).
     """
 
-    shards = True
-
-    def window(
-        self, step: Step, state: TrainState, micro: list[Batch]
-    ) -> tuple[TrainState, Metrics] | None:
-        """Run a whole window over a sharded state; ``None`` for a replicated one."""
-        if not is_sharded(state.module):
-            return None
-        return run_sharded_window(self, step, state, micro)
-
-    def __call__(
-        self, step: Step, state: TrainState, acc: Any, batch: Batch, n: int, reset: bool
-    ) -> tuple[TrainState, Metrics, Any, torch.Tensor]:
-        """Run the last microbatch eagerly with the reducer's hooks, then the update.
+    def last(
+        self, step: Step, state: TrainState, acc: AccumState | None, batch: Batch, n: int
+    ) -> tuple[GradOut, GradOut]:
+        """Run the last microbatch eagerly with the reducer's hooks; reduce the window.
 
         The backward runs outside any graph (its hooks launch the collectives while it
         goes on); under ``compiled`` the forward and the update are graphs.
         """
-        if is_sharded(state.module):
-            # grad_accumulate runs sharded windows through window(), or refuses them
-            # (across calls): here the batch is the whole window.
-            assert acc is None
-            new, metrics = run_sharded_window(self, step, state, [batch])
-            return new, metrics, None, metrics["loss"]
         reduction = WindowReduction(self, state.params, acc, n, state.step)
         forward = step.kernel("forward", lambda: step.loss)
         handles: list[Any] = []
@@ -64,12 +50,11 @@ class _Sync(SyncConfig):
         finally:
             for h in handles:
                 h.remove()
-        apply = step.kernel("apply", lambda: functools.partial(apply_update, step))
-        new, metrics = apply(state, reduction.finish(g))
-        fresh = None
-        if reset and acc is not None:
-            fresh = commit(step.donate, acc, acc.zeroed())
-        return new, metrics, fresh, g.weight
+        return g, reduction.finish(g)
+
+    def sharded(self, step: Step, state: TrainState, n: int) -> InModule:
+        """FSDP2's reduce-scatter, once per window, around the ``.grad`` engine."""
+        return ShardedWindow(self, step, state, n)
 
 
 def sync_on_last(
@@ -137,6 +122,5 @@ def sync_on_last(
     )
     if not isinstance(timeout, datetime.timedelta):
         raise TypeError(f"sync_on_last: timeout must be a datetime.timedelta, got {timeout!r}")
-    return step.with_phases(
-        "sync_on_last", finish=_Sync(group=group, bucket_mb=float(bucket_mb), timeout=timeout)
-    )
+    reduce = _Sync(group=group, bucket_mb=float(bucket_mb), timeout=timeout)
+    return step.with_phases("sync_on_last", window=attrs.evolve(step.window, reduce=reduce))

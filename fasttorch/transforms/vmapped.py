@@ -40,8 +40,8 @@ from fasttorch.population import (
     member_view,
 )
 from fasttorch.state import TrainState
-from fasttorch.steps import Step, apply_update, check_wrap
-from fasttorch.transforms.grad_accumulate import AccumState, finish_window
+from fasttorch.steps import Step, check_wrap
+from fasttorch.transforms.grad_accumulate import AccumState
 
 __all__ = ["vmapped", "vmapped_eval"]
 
@@ -102,16 +102,16 @@ def vmapped(step: Step, n: int, *, in_dims: InDims = None) -> Step:
     check_wrap(step, "vmapped")
     _compat.register_foreach_batching(_per_tensor)
     _checks.count("vmapped", "n", n)
-    if step.finish is not None or "sync_on_last" in step.transforms:
+    if step.window.reduce is not None or "sync_on_last" in step.transforms:
         raise ValueError(
             "vmapped cannot wrap a step with sync_on_last: its reduction across ranks "
             "runs hooks and collectives per model, which torch.func.vmap cannot batch. "
             "Train a population per rank without sync_on_last, or average the members' "
             "gradients yourself"
         )
-    # Not donating inside vmap (donation is the population's, after it), and a finisher
-    # of its own so that no runner looks for the module's own tensors (.grad windows).
-    inner = attrs.evolve(step, donate=False, finish=_finish)
+    # Not donating inside vmap (donation is the population's, after it). The members'
+    # calls run in a scope that is not in place, so no window uses the module's .grad.
+    inner = attrs.evolve(step, donate=False)
     # Scratch buffers a runner keeps across calls (grad_accumulate's window) would be
     # made inside vmap for one member's shapes, and escape it: none are kept.
     inner.__dict__["_memos"] = _NoMemos()
@@ -229,17 +229,6 @@ class _NoMemos(dict[str, Any]):
 
     def setdefault(self, key: str, default: Any = None) -> Any:
         return {}
-
-
-def _finish(
-    step: Step, state: TrainState, window: Any, batch: Batch, n: int, reset: bool
-) -> tuple[TrainState, Metrics, Any, torch.Tensor]:
-    """The default finisher, written out: a whole batch, or a window's last microbatch."""
-    if window is None:
-        g = step.grad(step.loss, state, batch, 1.0)
-        new, metrics = apply_update(step, state, g)
-        return new, metrics, None, g.weight
-    return finish_window(step, state, window, batch, n, reset)
 
 
 def _vmapped_init(make: Callable[[TrainState], Any], state: TrainState) -> Any:

@@ -1,0 +1,115 @@
+"""How far a reader follows the state through a composed step: files entered, climbs back.
+
+    python -m benchmarks.call_path [--path]
+
+Runs ``clip_scaled(grad_accumulate(with_amp(step, "bf16"), 4), 1.0)`` on a small MLP,
+eagerly and under ``compiled(..., backend="aot_eager")``, and records with
+``sys.setprofile`` the source file of every Python function called during one warm
+call (the third; the first compiles), in call order. Only fasttorch's own files count
+(torch, the standard library and this script are left out); consecutive calls within
+one file are one visit. Two numbers per composition:
+
+- files: how many distinct fasttorch files the call enters;
+- climbs back: how many visits enter a file that the path had already left
+  (``steps -> grad_accumulate -> steps`` is one): each is a place where a reader
+  following the state has to go back up to a file read before.
+
+Under ``compiled`` the functions a graph inlines run as generated code, so the
+compiled path is what still runs in Python around the graphs. ``--path`` prints the
+sequence of visits. Counts, not times: the numbers are the same on every machine for
+one source tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+
+import fasttorch
+
+ROOT = Path(fasttorch.__file__).resolve().parent
+
+
+def _loss_fn(apply: Any, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return torch.nn.functional.mse_loss(apply(x), y)
+
+
+def _composed(compile_it: bool) -> Any:
+    step = fasttorch.clip_scaled(
+        fasttorch.grad_accumulate(fasttorch.with_amp(fasttorch.step(_loss_fn), "bf16"), 4), 1.0
+    )
+    return fasttorch.compiled(step, backend="aot_eager") if compile_it else step
+
+
+def _files(frame: FrameType | None) -> list[str]:
+    """The fasttorch files on the stack from ``frame`` up, consecutive repeats merged."""
+    out: list[str] = []
+    while frame is not None:
+        f = Path(frame.f_code.co_filename)
+        if ROOT in f.parents:
+            name = f.relative_to(ROOT).as_posix().removesuffix(".py")
+            if not out or out[-1] != name:
+                out.append(name)
+        frame = frame.f_back
+    return out
+
+
+def trace(compile_it: bool) -> tuple[set[str], set[tuple[str, str]]]:
+    """The fasttorch files one warm call enters, and its climbs back (caller, callee)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(1e-3))
+    step = _composed(compile_it)
+    batch = (torch.randn(16, 8), torch.randn(16, 1))
+    for _ in range(2):
+        state, _ = step(state, batch)
+    files: set[str] = set()
+    climbs: set[tuple[str, str]] = set()
+
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        stack = _files(frame)
+        if not stack or ROOT not in Path(frame.f_code.co_filename).parents:
+            return
+        files.add(stack[0])
+        # stack[0] is the callee's file, stack[1] its caller's: a climb back when the
+        # callee's file is already further up, below a file it called.
+        if stack[0] in stack[2:]:
+            climbs.add((stack[1], stack[0]))
+
+    sys.setprofile(profile)
+    try:
+        state, _ = step(state, batch)
+    finally:
+        sys.setprofile(None)
+    return files, climbs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--path", action="store_true", help="list the files and the climbs")
+    args = parser.parse_args()
+    print("| composition | fasttorch files entered | climbs back |")
+    print("| --- | ---: | ---: |")
+    found = {}
+    for compile_it in (False, True):
+        label = "compiled(clip_scaled(grad_accumulate(with_amp(step))))"
+        label = label if compile_it else label.removeprefix("compiled(")[:-1]
+        files, climbs = found[label] = trace(compile_it)
+        print(f"| `{label}` | {len(files)} | {len(climbs)} |")
+    if args.path:
+        for label, (files, climbs) in found.items():
+            print(f"\n{label}:\n  files: {', '.join(sorted(files))}")
+            for caller, callee in sorted(climbs):
+                print(f"  climbs back: {caller} -> {callee}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Numbers and trees the phases and the window share: constants, norms, aux sums.
+
+Small helpers with no notion of a step: a 0-d constant cached in eager mode, the loss
+scale's reciprocal, gradients scaled and their global norm as ``torch.optim`` computes
+them, a window's weighted ``aux`` sums, and a batch's size and description. Transform
+authors import the public ones from :mod:`fasttorch.phases`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeAlias
+
+import torch
+import torch.utils._pytree as pytree
+
+from fasttorch.optim._base import computed_once, in_cpu_graph
+
+__all__ = [
+    "add_weighted_aux",
+    "batch_size",
+    "constant",
+    "describe",
+    "divide_aux",
+    "global_norm",
+    "reciprocal",
+    "scale_grads",
+]
+
+Batch: TypeAlias = Any
+Tensors: TypeAlias = dict[str, torch.Tensor]
+
+
+_CONSTANTS: dict[tuple[float, torch.dtype, torch.device, bool], torch.Tensor] = {}
+
+
+def constant(x: float, *, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``x`` as a 0-d tensor; in eager mode the same tensor each time.
+
+    Nothing is allocated per step for a sample count or a ``1/n``, and an eager window
+    sees by identity, not by reading values, that its microbatches weigh the same, so
+    it skips multiplying and dividing by factors that are exactly 1. A tensor that
+    anything wrote into (its version moved) is replaced.
+    """
+    if torch.compiler.is_compiling():
+        return torch.tensor(x, dtype=dtype, device=device)
+    key = (x, dtype, device, torch.is_inference_mode_enabled())
+    t = _CONSTANTS.get(key)
+    if t is None or t._version != 0:
+        if len(_CONSTANTS) >= 256:
+            _CONSTANTS.clear()
+        t = _CONSTANTS[key] = torch.tensor(x, dtype=dtype, device=device)
+    return t
+
+
+def reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` computed as ``GradScaler`` does (in float64, then float32)."""
+    return scale.double().reciprocal().float()
+
+
+def scale_grads(grads: Mapping[str, torch.Tensor], factor: torch.Tensor) -> Tensors:
+    """``grads`` times ``factor``: in place in eager mode (the update phase owns them).
+
+    In a graph, out of place: an in-place multiply of a graph input (the accumulation
+    window's gradients) would be written back into it, a copy of every gradient for
+    nothing. The same multiplication either way, so the same bits.
+    """
+    ts = list(grads.values())
+    if in_cpu_graph(ts):
+        # a multiply per tensor by a factor computed once (computed_once)
+        (factor,) = computed_once(factor)
+        return {k: t * factor for k, t in grads.items()}
+    if torch.compiler.is_compiling():
+        return dict(zip(grads, torch._foreach_mul(ts, factor)))
+    torch._foreach_mul_(ts, factor)
+    return dict(grads)
+
+
+def global_norm(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Global L2 norm, computed as ``torch.nn.utils.clip_grad_norm_`` does.
+
+    In a CPU graph the per-tensor norms are ``linalg.vector_norm`` reductions, which
+    inductor generates and fuses with what computes the gradients (the mean over an
+    accumulation window); ``_foreach_norm`` has no CPU lowering and would need every
+    gradient written out first for the ATen call. On CPU ``_foreach_norm`` is that same
+    per-tensor call in eager mode.
+    """
+    ts = list(tensors.values())
+    if in_cpu_graph(ts):
+        norms = [torch.linalg.vector_norm(t) for t in ts]
+    else:
+        norms = list(torch._foreach_norm(ts))
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(norms))
+    return total
+
+
+def describe(batch: Batch) -> str:
+    """A short description of a batch's structure: types, shapes, dtypes, devices."""
+
+    def leaf(x: Any) -> str:
+        if isinstance(x, torch.Tensor):
+            return f"Tensor{tuple(x.shape)}:{str(x.dtype).removeprefix('torch.')}@{x.device}"
+        return type(x).__name__
+
+    text = str(pytree.tree_map(leaf, batch))
+    return text if len(text) < 300 else text[:297] + "..."
+
+
+def batch_size(batch: Batch) -> int:
+    """Leading dimension of the batch's first tensor (1 for a batch without one)."""
+    for x in pytree.tree_leaves(batch):
+        if isinstance(x, torch.Tensor) and x.ndim > 0:
+            return int(x.shape[0])
+    return 1
+
+
+def add_weighted_aux(total: Any, aux: Any, w: torch.Tensor) -> Any:
+    """``total + aux * w`` over a window's ``aux`` trees (floating leaves; others kept)."""
+    if aux is None:
+        return None
+    scaled = pytree.tree_map(lambda a: a * w if _is_float(a) else a, aux)
+    if total is None:
+        return scaled
+    return pytree.tree_map(lambda t, a: t + a if _is_float(a) else a, total, scaled)
+
+
+def divide_aux(total: Any, w: torch.Tensor) -> Any:
+    """``total / w`` on the floating leaves: the weighted mean of :func:`add_weighted_aux`."""
+    return pytree.tree_map(lambda t: t / w if _is_float(t) else t, total)
+
+
+def _is_float(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
