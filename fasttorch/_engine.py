@@ -18,7 +18,8 @@ Each returns the gradients (none on the ``.grad`` path), the loss phase's
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, TypeAlias
+from collections.abc import Callable
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
@@ -29,17 +30,31 @@ from fasttorch._tree import constant
 from fasttorch.state import TrainState, is_sharded
 from fasttorch.substates import any_declares
 
-if TYPE_CHECKING:
-    from fasttorch.phases import Loss, LossPhase
-
 __all__ = ["IntoGrad", "ModuleTensors", "gradients", "module_tensors"]
 
 Batch: TypeAlias = Any
 Tensors: TypeAlias = dict[str, torch.Tensor]
-Found: TypeAlias = "tuple[Tensors, Loss, frozenset[str]]"
 
 
-def gradients(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> Found:
+class _Loss(Protocol):
+    # What this module reads of a fasttorch.phases.Loss. A protocol rather than the
+    # record, because phases imports this module (no import circle, even for
+    # annotations: tests/test_import_cycles.py).
+    @property
+    def value(self) -> torch.Tensor: ...
+    @property
+    def weight(self) -> torch.Tensor: ...
+    @property
+    def aux(self) -> Any: ...
+    def replace(self: L, **changes: Any) -> L: ...
+
+
+L = TypeVar("L", bound=_Loss)
+LossPhase: TypeAlias = Callable[[TrainState, Tensors, Tensors, Batch], L]
+Found: TypeAlias = tuple[Tensors, L, frozenset[str]]
+
+
+def gradients(loss: LossPhase[L], state: TrainState, batch: Batch, mult: Any) -> Found[L]:
     """Gradients of ``loss.value * mult`` on the path that fits the call (see above)."""
     compiling = torch.compiler.is_compiling()
     into = None if compiling else _scope.current().into
@@ -76,7 +91,7 @@ def _functional_grads(state: TrainState) -> bool:
     return any_declares(state.substates, "functional_grads")
 
 
-def _grad_functional(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> Found:
+def _grad_functional(loss: LossPhase[L], state: TrainState, batch: Batch, mult: Any) -> Found[L]:
     """``grad_phase`` inside a graph on torch 2.10 and 2.11: ``torch.func.grad``.
 
     Dynamo there refuses ``Tensor.requires_grad_()`` (the eager path's detached leaves,
@@ -88,7 +103,7 @@ def _grad_functional(loss: LossPhase, state: TrainState, batch: Batch, mult: Any
     into the buffers in place.
     """
     rest: list[Any] = []  # torch.func.grad's aux holds tensors only: the rest goes around
-    record: list[Loss] = []
+    record: list[L] = []
 
     def value(params: Tensors, buffers: Tensors) -> tuple[torch.Tensor, Any]:
         out = loss(state, params, buffers, batch)
@@ -131,13 +146,13 @@ class IntoGrad:
 
 
 def _grad_into_module(
-    loss: LossPhase,
+    loss: LossPhase[L],
     state: TrainState,
     params: ModuleTensors,
     batch: Batch,
     mult: Any,
     into: IntoGrad,
-) -> Found:
+) -> Found[L]:
     """Backward into the module's ``.grad``, as ``loss.backward()`` does; no grads returned.
 
     ``torch.autograd.grad`` hands over all of a microbatch's gradients at once, which

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import attrs
 import torch
@@ -41,11 +41,17 @@ from fasttorch._accum import (
 from fasttorch._engine import IntoGrad, module_tensors
 from fasttorch._tree import add_weighted_aux, divide_aux
 from fasttorch.donation import commit
-from fasttorch.phases import Batch, GradOut, Metrics, Tensors, skip_empty_window
+from fasttorch.phases import (
+    Batch,
+    GradOut,
+    GradPhase,
+    LossPhase,
+    Metrics,
+    Tensors,
+    UpdatePhase,
+    skip_empty_window,
+)
 from fasttorch.state import TrainState, is_sharded
-
-if TYPE_CHECKING:
-    from fasttorch.steps import Step
 
 __all__ = [
     "InModule",
@@ -58,6 +64,35 @@ __all__ = [
     "memo",
     "run",
 ]
+
+
+class Step(Protocol):
+    """What the window reads of a :class:`fasttorch.steps.Step`.
+
+    A protocol rather than the class, because ``steps`` imports this module (no import
+    circle, even for annotations: tests/test_import_cycles.py).
+    """
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def donate(self) -> bool: ...
+    @property
+    def window(self) -> Window: ...
+    @property
+    def loss(self) -> LossPhase: ...
+    @property
+    def grad(self) -> GradPhase: ...
+    @property
+    def update(self) -> UpdatePhase: ...
+    @property
+    def jit(self) -> Callable[..., Callable[..., Any]]: ...
+    @property
+    def is_eager(self) -> bool: ...
+    def kernel(
+        self, name: str, make: Callable[[], Callable[..., Any]], *, cpp_wrapper: bool = False
+    ) -> Callable[..., Any]: ...
+
 
 Result = tuple[TrainState, Metrics]
 

@@ -47,8 +47,7 @@ from fasttorch.distributed.reducer import (
 )
 from fasttorch.phases import GradOut, Tensors, reciprocal, skip_empty_window
 from fasttorch.state import TrainState, local_tensor, reshard
-from fasttorch.steps import Step
-from fasttorch.window import InModule, Sums
+from fasttorch.window import InModule, Step, Sums
 
 __all__ = ["ShardedWindow", "as_dtensor", "sharded_leaves", "sharded_parameters"]
 

@@ -15,6 +15,7 @@ from fasttorch.phases import Batch, GradOut, Loss, Tensors
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, check_wrap
 from fasttorch.window import InModule
+from fasttorch.window import Step as WindowStep
 
 __all__ = ["sync_on_last"]
 
@@ -29,7 +30,7 @@ class _Sync(SyncConfig):
     """
 
     def last(
-        self, step: Step, state: TrainState, acc: AccumState | None, batch: Batch, n: int
+        self, step: WindowStep, state: TrainState, acc: AccumState | None, batch: Batch, n: int
     ) -> tuple[GradOut, GradOut]:
         """Run the last microbatch eagerly with the reducer's hooks; reduce the window.
 
@@ -52,7 +53,7 @@ class _Sync(SyncConfig):
                 h.remove()
         return g, reduction.finish(g)
 
-    def sharded(self, step: Step, state: TrainState, n: int) -> InModule:
+    def sharded(self, step: WindowStep, state: TrainState, n: int) -> InModule:
         """FSDP2's reduce-scatter, once per window, around the ``.grad`` engine."""
         return ShardedWindow(self, step, state, n)
 
