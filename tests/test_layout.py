@@ -15,10 +15,6 @@ from test_import_cycles import ROOT
 LIMIT = 500
 
 OVER_LIMIT: dict[str, str] = {
-    "fasttorch/phases.py": "being split (issue 28, item 2): the author's contract stays, the "
-    "eager engine and graph helpers move to private modules",
-    "fasttorch/steps.py": "its finisher protocol and run_whole move into the one accumulation "
-    "window (issue 28, item 1)",
     "fasttorch/transforms/compiled.py": "its compile paths are being reworked (issue 30: "
     "regional compilation, warm start), which decides where it splits",
 }
