@@ -12,7 +12,14 @@ autocast, 4 microbatches, clip to norm 1, AdamW):
 * ``step``: ``fasttorch.compiled`` of the whole step, with ``cache_dir=`` a directory of
   its own;
 * ``warm``: ``step`` again in a new process with the previous ``step``'s ``cache_dir``
-  (its own ``TORCHINDUCTOR_CACHE_DIR`` fresh): a restarted job.
+  (its own ``TORCHINDUCTOR_CACHE_DIR`` fresh): a restarted job;
+* ``regional`` (at the larger depth only): ``step`` with each of the GPT's blocks run as
+  a call of one ``torch.compiler.nested_compile_region`` (regional compilation, public
+  API only: the region runs a parameterless copy of the block class under
+  ``torch.func.functional_call`` with each block's own tensors), and inductor's Python
+  wrapper, since its C++ wrapper cannot call a subgraph (``NotImplementedError`` in
+  torch 2.13's ``cpp_wrapper_cpu.codegen_invoke_subgraph``). ``compiled`` does not do
+  this itself: this row is the measurement that decided it (docs/design.md).
 
 Within a round the processes run one after the other, depths interleaved (``model`` and
 ``step`` at each depth, then ``warm``), so load on the machine hits them alike; the
@@ -84,13 +91,43 @@ def _model_loop(model: Any, backend: str) -> Any:
     return run
 
 
-def _fasttorch_step(model: Any, backend: str, cache: str | None) -> Any:
+def _regional(model: Any) -> None:
+    """Each block of ``model.blocks`` as a call of one nested compile region.
+
+    The region is traced and compiled once and called once per block with that block's
+    parameters as arguments: free tensors made inside the step's graph (the state's
+    leaves that ``functional_call`` swaps in) cannot be a region's free variables.
+    """
+    import copy
+
+    import torch
+    from torch.func import functional_call
+
+    template = copy.deepcopy(model.blocks[0]).to("meta")  # its tensors are always swapped
+
+    def run(tensors: dict[str, Any], x: Any) -> Any:
+        return functional_call(template, tensors, (x,))
+
+    region = torch.compiler.nested_compile_region(run)
+    for block in model.blocks:
+
+        def forward(x: Any, block: Any = block) -> Any:
+            return region(dict(block.named_parameters()), x)
+
+        block.forward = forward
+
+
+def _fasttorch_step(model: Any, backend: str, cache: str | None, regional: bool = False) -> Any:
     import fasttorch
 
     state = [fasttorch.TrainState.create(model, fasttorch.optim.adamw(1e-3, weight_decay=0.01))]
     inner = fasttorch.with_amp(fasttorch.step(_loss), "bf16")
     step = fasttorch.clip_scaled(fasttorch.grad_accumulate(inner, ACCUM), 1.0)
-    kwargs = {"cache_dir": cache} if backend == "inductor" else {}
+    kwargs: dict[str, Any] = {"cache_dir": cache} if backend == "inductor" else {}
+    if regional:
+        _regional(model)
+        if backend == "inductor":
+            kwargs["options"] = {"cpp_wrapper": False}
     fast = fasttorch.compiled(step, backend=backend, **kwargs)
 
     def run(batch: Any) -> None:
@@ -108,7 +145,10 @@ def child(kind: str, layers: int, smoke: bool, cache: str | None) -> dict[str, A
     torch.manual_seed(0)
     backend = "aot_eager" if smoke else "inductor"
     model = _gpt(layers, smoke)
-    run = _model_loop(model, backend) if kind == "model" else _fasttorch_step(model, backend, cache)
+    if kind == "model":
+        run = _model_loop(model, backend)
+    else:
+        run = _fasttorch_step(model, backend, cache, regional=kind == "regional")
     data = _batches(smoke, 2 if smoke else 4)
     t0 = time.perf_counter()
     run(data[0])
@@ -146,12 +186,17 @@ def measure(depths: tuple[int, int], rounds: int, smoke: bool) -> list[dict[str,
         with tempfile.TemporaryDirectory(prefix="fasttorch-compile-bench-") as tmp:
             caches = {}
             for layers in depths:
-                for kind in ("model", "step"):
-                    caches[layers] = os.path.join(tmp, f"cache-{layers}")
+                kinds = ("model", "step", "regional") if layers == depths[1] else ("model", "step")
+                for kind in kinds:
+                    cache = os.path.join(tmp, f"cache-{kind}-{layers}")
+                    if kind == "step":  # the one the warm run starts from
+                        caches[layers] = cache
                     own = os.path.join(tmp, f"own-{kind}-{layers}")
-                    res = _spawn(kind, layers, smoke, caches[layers], own)
+                    res = _spawn(kind, layers, smoke, cache, own)
                     rows.append({"round": r, "kind": kind, "layers": layers, **res})
                     print(json.dumps(rows[-1]), flush=True)
+            if smoke:  # aot_eager keeps no compiled code: a warm run would be a cold one
+                continue
             own = os.path.join(tmp, "own-warm")
             res = _spawn("step", depths[0], smoke, caches[depths[0]], own)
             rows.append({"round": r, "kind": "warm", "layers": depths[0], **res})
@@ -178,6 +223,7 @@ def table(rows: list[dict[str, Any]], depths: tuple[int, int]) -> str:
         ("model", "`torch.compile(model)`"),
         ("step", "`fasttorch.compiled`"),
         ("warm", "`fasttorch.compiled`, warm"),
+        ("regional", "`fasttorch.compiled`, blocks as one nested compile region"),
     ):
         for layers in depths:
             if not get(kind, layers, "first"):
@@ -212,6 +258,8 @@ def table(rows: list[dict[str, Any]], depths: tuple[int, int]) -> str:
         f"| {ratio(('model', hi), ('model', lo))} | |",
         f"| warm start (s), {lo} layers, new process, `cache_dir` "
         f"| {med(get('warm', lo, 'first'))} | <= 5 |",
+        f"| cold compile, blocks as one region / whole step, {hi} layers "
+        f"| {ratio(('regional', hi), ('step', hi))} | |",
     ]
     return "\n".join(lines)
 
@@ -241,7 +289,11 @@ def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
         "a step as 4 microbatches under bf16 autocast, clipped to norm 1, with AdamW. "
         "`torch.compile(model)`: the hand-written loop over the compiled model. "
         "`fasttorch.compiled`: the whole step (forward, backward, accumulation, clip, "
-        "AdamW) in its two graphs. Warm: the same step in a new process given the first "
+        "AdamW) in its two graphs. Regional (the larger depth only): the same step with "
+        "each of the GPT's blocks a call of one `torch.compiler.nested_compile_region` "
+        "and inductor's Python wrapper (its C++ wrapper cannot call a subgraph); not what "
+        '`compiled` does (docs/design.md, "Recompiles, warm starts, regional '
+        'compilation"). Warm: the same step in a new process given the first '
         'one\'s `cache_dir` (docs/transforms.md, "Warm starts"). First step: the first '
         "call's wall time, compile included; dynamo: tracing time in it "
         "(`compile_inner` minus the backend); backend: AOT autograd and inductor inside "
@@ -255,7 +307,7 @@ def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--child", choices=("model", "step"))
+    p.add_argument("--child", choices=("model", "step", "regional"))
     p.add_argument("--layers", default="12,24")
     p.add_argument("--cache", default="")
     p.add_argument("--rounds", type=int, default=1)

@@ -67,9 +67,8 @@ def scale_grads(grads: Mapping[str, torch.Tensor], factor: torch.Tensor) -> Tens
     """
     ts = list(grads.values())
     if in_cpu_graph(ts):
-        # a multiply per tensor by a factor computed once (computed_once)
+        # by a factor computed once (computed_once); one traced call for all tensors
         (factor,) = computed_once(factor)
-        return {k: t * factor for k, t in grads.items()}
     if torch.compiler.is_compiling():
         return dict(zip(grads, torch._foreach_mul(ts, factor)))
     torch._foreach_mul_(ts, factor)

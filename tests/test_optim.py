@@ -376,6 +376,82 @@ def test_adam_in_a_cpu_graph_gives_the_eager_bits(opt: Any) -> None:
             assert torch.equal(state.slots[slot][n], eager_state.slots[slot][n]), (slot, n)
 
 
+def _update_graph_calls(opt: Any, n: int) -> int:
+    """Calls dynamo traced in ``opt.update`` over ``n`` CPU tensors (getitems not counted)."""
+    import operator
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def backend(gm: torch.fx.GraphModule, example: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    params = {str(i): torch.randn(3, i + 1) for i in range(n)}
+    grads = {k: torch.randn_like(p) for k, p in params.items()}
+    update: Callable[..., Any] = torch.compile(opt.update, fullgraph=True, backend=backend)
+    update(params, grads, opt.init(params), torch.tensor(0))
+    (gm,) = graphs
+    return sum(
+        node.op in ("call_function", "call_method") and node.target is not operator.getitem
+        for node in gm.graph.nodes
+    )
+
+
+@pytest.mark.parametrize(
+    "opt", [optim.adamw(0.1, weight_decay=0.1), optim.adam(0.1, weight_decay=0.1)]
+)
+def test_adam_in_a_cpu_graph_traces_each_operation_once_not_once_per_tensor(opt: Any) -> None:
+    """Dynamo's tracing time grows with the calls it traces: the CPU graph's Adam is one
+    ``_foreach`` call per operation, and only its ``lerp`` (which inductor cannot lower
+    as ``_foreach_lerp`` with a tensor weight on CPU) is one call per tensor."""
+    per_tensor = (_update_graph_calls(opt, 12) - _update_graph_calls(opt, 4)) / 8
+    assert per_tensor == 1
+
+
+def _adamw_per_tensor(
+    params: dict[str, Tensor], grads: dict[str, Tensor], state: OptState, step: Tensor
+) -> tuple[dict[str, Tensor], OptState]:
+    """AdamW as the CPU graph wrote it before, one expression per tensor (a reference)."""
+    from fasttorch.optim._base import computed_once
+
+    h, count = state.hyper, state.count + 1
+    lr, beta1, beta2, eps, wd = h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
+    t = count.to(torch.float64)
+    decay, w, beta2, rest2, step_size, bc2, eps = computed_once(
+        1 - lr * wd, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1**t), (1 - beta2**t).sqrt(), eps
+    )
+    new_p, new_m, new_v = {}, {}, {}
+    for n, p in params.items():
+        g, m, v = grads[n], state.slots["exp_avg"][n], state.slots["exp_avg_sq"][n]
+        p = p * decay
+        new_m[n] = m = m.lerp(g, w.to(m.dtype))
+        new_v[n] = v = v * beta2 + g * g * rest2
+        new_p[n] = p - m / (v.sqrt() / bc2 + eps) * step_size
+    return new_p, state.replace(count=count, slots={"exp_avg": new_m, "exp_avg_sq": new_v})
+
+
+def test_adam_in_an_inductor_cpu_graph_gives_the_per_tensor_bits() -> None:
+    """Inductor lowers the CPU graph's ``_foreach`` calls to the expressions a loop over
+    the tensors gives: compiled, the two forms give the same bits (tiny tensors)."""
+    opt = optim.adamw(0.05, betas=(0.3, 0.99), weight_decay=0.1)
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(3)
+    params = {str(i): torch.randn(5, i + 2, generator=gen) for i in range(3)}
+    grads = {k: torch.randn(p.shape, generator=gen) for k, p in params.items()}
+    p1, s1 = torch.compile(opt.update, fullgraph=True)(
+        params, grads, opt.init(params), torch.tensor(0)
+    )
+    p2, s2 = torch.compile(_adamw_per_tensor, fullgraph=True)(
+        params, grads, opt.init(params), torch.tensor(0)
+    )
+    assert int(s1.count) == int(s2.count) == 1
+    for n in params:
+        assert torch.equal(p1[n], p2[n]), n
+        for slot in s1.slots:
+            assert torch.equal(s1.slots[slot][n], s2.slots[slot][n]), (slot, n)
+
+
 def test_computed_once_gives_back_the_scalars_outside_a_cpu_graph() -> None:
     from fasttorch.optim._base import computed_once
 

@@ -311,9 +311,13 @@ class Adam:
         """``update``'s arithmetic for a CPU graph: new ``p``, ``m``, ``v``, out of place.
 
         The same operations on the same values as the ``_foreach`` form (the tests
-        hold the two to the same bits), written per tensor, with the 0-d factors
-        computed once (:func:`computed_once`) instead of inlined into every
-        parameter's expression.
+        hold the two to the same bits), with the 0-d factors computed once
+        (:func:`computed_once`) instead of inlined into every parameter's expression.
+        Each operation is one ``_foreach`` call over all tensors, which inductor lowers
+        to the per-tensor expressions a loop would give: dynamo's tracing time grows
+        with the calls it traces, so a loop over tensors costs it one call per tensor
+        and operation (docs/design.md, "Compile time"). Only ``lerp`` is per tensor:
+        inductor has no CPU lowering for ``_foreach_lerp`` with a tensor weight.
         """
         beta1, beta2, eps, wd = h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
         t = count.to(torch.float64)
@@ -321,19 +325,19 @@ class Adam:
         decay, w, beta2, rest2, step_size, bias_correction2_sqrt, eps = computed_once(
             decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1**t), (1 - beta2**t).sqrt(), eps
         )
-        ps, ms, vs = [], [], []
-        for pi, gi, mi, vi in zip(p, g, m, v):
-            if self.decoupled_weight_decay:
-                pi = pi * decay
-            else:
-                gi = gi + pi * decay
-            mi = mi.lerp(gi, w.to(mi.dtype))
-            vi = vi * beta2 + gi * gi * rest2
-            denom = vi.sqrt() / bias_correction2_sqrt + eps
-            ps.append(pi - mi / denom * step_size)
-            ms.append(mi)
-            vs.append(vi)
-        return ps, ms, vs
+        if self.decoupled_weight_decay:
+            p = list(_foreach_mul(p, decay))
+        else:
+            g = list(torch._foreach_add(g, _foreach_mul(p, decay)))
+        m = [mi.lerp(gi, wi) for mi, gi, wi in zip(m, g, _per_dtype(w, m))]
+        v = list(
+            torch._foreach_add(_foreach_mul(v, beta2), _foreach_mul(_foreach_mul(g, g), rest2))
+        )
+        denom = torch._foreach_div(torch._foreach_sqrt(v), bias_correction2_sqrt)
+        # A list: dynamo reads a bare 0-d tensor operand of _foreach_add to the host.
+        denom = torch._foreach_add(denom, [eps] * len(denom))
+        u = _foreach_mul(torch._foreach_div(m, denom), step_size)
+        return list(torch._foreach_sub(p, u)), m, v
 
 
 @functools.lru_cache(maxsize=64)
@@ -348,7 +352,10 @@ def _host_weight(beta1: float, dtype: torch.dtype) -> float:
 
 def _per_dtype(x: Tensor, like: list[Tensor]) -> list[Tensor]:
     """``x`` cast to each tensor's dtype, once per dtype."""
-    cast = {t.dtype: x.to(t.dtype) for t in like}
+    cast: dict[torch.dtype, Tensor] = {}
+    for t in like:
+        if t.dtype not in cast:  # a comprehension would cast (and trace) once per tensor
+            cast[t.dtype] = x.to(t.dtype)
     return [cast[t.dtype] for t in like]
 
 
