@@ -13,6 +13,7 @@ from reference import LayerNormNet, batches, mse
 from tolerance import unit_roundoff
 
 import fasttorch
+from fasttorch.transforms import _inductor_options as options_mod
 
 counters = torch._dynamo.utils.counters
 
@@ -82,8 +83,6 @@ def test_inductor_tiny_model_matches_eager(monkeypatch):
     """The one test here that pays for inductor's code generation."""
     from torch._inductor import cpu_vec_isa
 
-    compiled_mod = importlib.import_module("fasttorch.transforms.compiled")
-
     real_probe, callers = cpu_vec_isa.valid_vec_isa_list, []
 
     def probe():
@@ -91,7 +90,7 @@ def test_inductor_tiny_model_matches_eager(monkeypatch):
         return real_probe()
 
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", probe)
-    monkeypatch.setattr(compiled_mod, "_ISA_PROBE", [])
+    monkeypatch.setattr(options_mod, "_ISA_PROBE", [])
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     data = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(4)]
@@ -196,7 +195,7 @@ def test_only_a_c_compile_error_of_a_two_file_build_compiled_chose_is_retried():
     from torch._inductor.exc import CppCompileError
 
     from fasttorch._compat import cpp_compile_error as _cpp_compile_error
-    from fasttorch.transforms.compiled import _separate_build_is_ours
+    from fasttorch.transforms._inductor_options import _separate_build_is_ours
 
     cause = CppCompileError(["g++"], "boom")
     try:
@@ -232,7 +231,7 @@ def test_the_cpu_isa_probe_starts_once_and_only_where_inductor_will_want_it(monk
     )
 
     def started(options):
-        monkeypatch.setattr(compiled_mod, "_ISA_PROBE", [])
+        monkeypatch.setattr(options_mod, "_ISA_PROBE", [])
         callers.clear()
         compiled_mod.probe_cpu_isa_early(options)
         for t in compiled_mod._ISA_PROBE:
@@ -246,7 +245,7 @@ def test_the_cpu_isa_probe_starts_once_and_only_where_inductor_will_want_it(monk
     assert not started({"backend": "inductor", "options": {"cpp.simdlen": 256}})
     assert not started({"backend": "inductor", "options": {"cpp": {"cxx": ("g++",)}}})
     # Once per process.
-    monkeypatch.setattr(compiled_mod, "_ISA_PROBE", [])
+    monkeypatch.setattr(options_mod, "_ISA_PROBE", [])
     compiled_mod.probe_cpu_isa_early({"backend": "inductor"})
     compiled_mod.probe_cpu_isa_early({"backend": "inductor"})
     assert len(compiled_mod._ISA_PROBE) == 1
@@ -331,7 +330,7 @@ def test_options_reach_every_kernel():
 
 
 def test_inductor_gets_the_fusion_search_cap_unless_told_otherwise():
-    from fasttorch.transforms.compiled import FUSION_ATTEMPTS, _with_fusion_cap
+    from fasttorch.transforms._inductor_options import FUSION_ATTEMPTS, _with_fusion_cap
 
     key = "max_fusion_buffer_group_pairwise_attempts"
     assert _with_fusion_cap({"backend": "inductor"})["options"] == {key: FUSION_ATTEMPTS}
@@ -383,7 +382,7 @@ def test_on_cpu_the_microbatch_graph_gets_the_cpp_wrapper_and_the_update_graph_d
 
 
 def test_the_cpp_wrapper_is_for_graphs_whose_tensors_are_all_on_the_cpu():
-    from fasttorch.transforms.compiled import _only_on_cpu, _with_cpp_wrapper
+    from fasttorch.transforms._inductor_options import _only_on_cpu, _with_cpp_wrapper
 
     cpu, meta = torch.zeros(1), torch.zeros(1, device="meta")
     assert _only_on_cpu(({"a": cpu}, [cpu], 3))
@@ -407,7 +406,6 @@ def test_the_cpp_wrapper_is_for_graphs_whose_tensors_are_all_on_the_cpu():
 def test_a_set_cpu_capability_without_a_cache_of_its_own_is_warned_about(monkeypatch):
     """Inductor's cache keys ignore ATEN_CPU_CAPABILITY (a run of another setting's
     kernels crashed or gave NaN): compiled says so once, unless the cache is separate."""
-    compiled_mod = importlib.import_module("fasttorch.transforms.compiled")
     from fasttorch import steps
 
     steps.warn_once.cache_clear()
@@ -415,12 +413,12 @@ def test_a_set_cpu_capability_without_a_cache_of_its_own_is_warned_about(monkeyp
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/somewhere")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        compiled_mod._check_isa_cache()
+        options_mod._check_isa_cache()
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     with pytest.warns(UserWarning, match="TORCHINDUCTOR_CACHE_DIR"):
-        compiled_mod._check_isa_cache()
+        options_mod._check_isa_cache()
     monkeypatch.delenv("ATEN_CPU_CAPABILITY")
     steps.warn_once.cache_clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        compiled_mod._check_isa_cache()
+        options_mod._check_isa_cache()

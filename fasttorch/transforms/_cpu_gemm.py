@@ -127,7 +127,8 @@ class HalfGemmInFloat32(_compat.CustomGraphPass):  # type: ignore[misc]
     """
 
     # A step whose tensors are all on a GPU is compiled without this pass (see
-    # fasttorch.transforms.compiled._without_cpu_only_passes), nor the rounding option it set.
+    # fasttorch.transforms._inductor_options._without_cpu_only_passes), nor the
+    # rounding option it set.
     cpu_only = True
 
     def __init__(self, dtypes: Iterable[torch.dtype], *, set_emulate: bool = False) -> None:
