@@ -221,8 +221,6 @@ def test_only_a_c_compile_error_of_a_two_file_build_compiled_chose_is_retried():
 def test_the_cpu_isa_probe_starts_once_and_only_where_inductor_will_want_it(monkeypatch):
     from torch._inductor import cpu_vec_isa
 
-    compiled_mod = importlib.import_module("fasttorch.transforms.compiled")
-
     callers: list[str] = []
     monkeypatch.setattr(
         cpu_vec_isa,
@@ -233,8 +231,8 @@ def test_the_cpu_isa_probe_starts_once_and_only_where_inductor_will_want_it(monk
     def started(options):
         monkeypatch.setattr(options_mod, "_ISA_PROBE", [])
         callers.clear()
-        compiled_mod.probe_cpu_isa_early(options)
-        for t in compiled_mod._ISA_PROBE:
+        options_mod.probe_cpu_isa_early(options)
+        for t in options_mod._ISA_PROBE:
             t.join(timeout=10)
         return callers == ["fasttorch-cpu-isa-probe"]
 
@@ -246,10 +244,10 @@ def test_the_cpu_isa_probe_starts_once_and_only_where_inductor_will_want_it(monk
     assert not started({"backend": "inductor", "options": {"cpp": {"cxx": ("g++",)}}})
     # Once per process.
     monkeypatch.setattr(options_mod, "_ISA_PROBE", [])
-    compiled_mod.probe_cpu_isa_early({"backend": "inductor"})
-    compiled_mod.probe_cpu_isa_early({"backend": "inductor"})
-    assert len(compiled_mod._ISA_PROBE) == 1
-    compiled_mod._ISA_PROBE[0].join(timeout=10)
+    options_mod.probe_cpu_isa_early({"backend": "inductor"})
+    options_mod.probe_cpu_isa_early({"backend": "inductor"})
+    assert len(options_mod._ISA_PROBE) == 1
+    options_mod._ISA_PROBE[0].join(timeout=10)
     assert callers.count("fasttorch-cpu-isa-probe") == 1
 
 
@@ -347,7 +345,6 @@ def test_on_cpu_the_microbatch_graph_gets_the_cpp_wrapper_and_the_update_graph_d
     monkeypatch,
 ):
     """What reaches torch.compile for each kernel (recorded; the kernels then run eagerly)."""
-    compiled_mod = importlib.import_module("fasttorch.transforms.compiled")
 
     seen = []
 
@@ -356,7 +353,7 @@ def test_on_cpu_the_microbatch_graph_gets_the_cpp_wrapper_and_the_update_graph_d
         return fn
 
     monkeypatch.setattr(torch, "compile", record)
-    monkeypatch.setattr(compiled_mod, "_ISA_PROBE", [object()])  # no probe thread from here
+    monkeypatch.setattr(options_mod, "_ISA_PROBE", [object()])  # no probe thread from here
 
     def kernels_options(**compile_kwargs):
         seen.clear()
