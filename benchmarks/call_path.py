@@ -14,6 +14,11 @@ one file are one visit. Two numbers per composition:
   (``steps -> grad_accumulate -> steps`` is one): each is a place where a reader
   following the state has to go back up to a file read before.
 
+Both are counted twice: over every fasttorch function the call runs (helpers such as
+``struct`` and ``_compat`` included), and over the functions the state itself passes
+through, those called with a ``TrainState`` among their arguments: the path a reader
+follows the state along.
+
 Under ``compiled`` the functions a graph inlines run as generated code, so the
 compiled path is what still runs in Python around the graphs. ``--path`` prints the
 sequence of visits. Counts, not times: the numbers are the same on every machine for
@@ -47,12 +52,20 @@ def _composed(compile_it: bool) -> Any:
     return fasttorch.compiled(step, backend="aot_eager") if compile_it else step
 
 
-def _files(frame: FrameType | None) -> list[str]:
-    """The fasttorch files on the stack from ``frame`` up, consecutive repeats merged."""
+def _carries_state(frame: FrameType) -> bool:
+    """Whether the function of ``frame`` was called with a ``TrainState`` argument."""
+    code = frame.f_code
+    names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    return any(isinstance(frame.f_locals.get(n), fasttorch.TrainState) for n in names)
+
+
+def _files(frame: FrameType | None, state_only: bool = False) -> list[str]:
+    """The fasttorch files on the stack from ``frame`` up, consecutive repeats merged
+    (``state_only``: only the functions that carry the state)."""
     out: list[str] = []
     while frame is not None:
         f = Path(frame.f_code.co_filename)
-        if ROOT in f.parents:
+        if ROOT in f.parents and (not state_only or _carries_state(frame)):
             name = f.relative_to(ROOT).as_posix().removesuffix(".py")
             if not out or out[-1] != name:
                 out.append(name)
@@ -60,7 +73,7 @@ def _files(frame: FrameType | None) -> list[str]:
     return out
 
 
-def trace(compile_it: bool) -> tuple[set[str], set[tuple[str, str]]]:
+def trace(compile_it: bool, state_only: bool) -> tuple[set[str], set[tuple[str, str]]]:
     """The fasttorch files one warm call enters, and its climbs back (caller, callee)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
@@ -75,8 +88,12 @@ def trace(compile_it: bool) -> tuple[set[str], set[tuple[str, str]]]:
     def profile(frame: FrameType, event: str, arg: Any) -> None:
         if event != "call":
             return
-        stack = _files(frame)
-        if not stack or ROOT not in Path(frame.f_code.co_filename).parents:
+        if ROOT not in Path(frame.f_code.co_filename).parents:
+            return
+        if state_only and not _carries_state(frame):
+            return
+        stack = _files(frame, state_only)
+        if not stack:
             return
         files.add(stack[0])
         # stack[0] is the callee's file, stack[1] its caller's: a climb back when the
@@ -96,17 +113,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--path", action="store_true", help="list the files and the climbs")
     args = parser.parse_args()
-    print("| composition | fasttorch files entered | climbs back |")
-    print("| --- | ---: | ---: |")
+    print("| composition | functions counted | fasttorch files entered | climbs back |")
+    print("| --- | --- | ---: | ---: |")
     found = {}
     for compile_it in (False, True):
-        label = "compiled(clip_scaled(grad_accumulate(with_amp(step))))"
-        label = label if compile_it else label.removeprefix("compiled(")[:-1]
-        files, climbs = found[label] = trace(compile_it)
-        print(f"| `{label}` | {len(files)} | {len(climbs)} |")
+        for state_only in (False, True):
+            label = "compiled(clip_scaled(grad_accumulate(with_amp(step))))"
+            label = label if compile_it else label.removeprefix("compiled(")[:-1]
+            which = "those the state passes through" if state_only else "all"
+            files, climbs = found[label, which] = trace(compile_it, state_only)
+            print(f"| `{label}` | {which} | {len(files)} | {len(climbs)} |")
     if args.path:
-        for label, (files, climbs) in found.items():
-            print(f"\n{label}:\n  files: {', '.join(sorted(files))}")
+        for (label, which), (files, climbs) in found.items():
+            print(f"\n{label} ({which}):\n  files: {', '.join(sorted(files))}")
             for caller, callee in sorted(climbs):
                 print(f"  climbs back: {caller} -> {callee}")
 
