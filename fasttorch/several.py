@@ -1,0 +1,628 @@
+"""Steps over several models: a GAN, a student and its frozen teacher, an actor and a critic.
+
+A :class:`Models` state holds named members: a :class:`~fasttorch.TrainState` per model
+that trains (each with its own optimizer and transform sub-states) and a :class:`Frozen`
+per model that is only read (a teacher). :func:`several` runs one step per trained
+member, in order, within one call. Each member's step is an ordinary fasttorch step
+built by :func:`model_step`, so every transform wraps it as it wraps any step
+(``with_amp``, ``grad_accumulate``, ``clip_scaled``, ``sync_on_last``, ``ema``, ...),
+and ``compiled`` of the whole compiles each member's step.
+
+A member's loss function is ``loss_fn(apply, batch, models)``: ``models["d"](x)`` runs
+the member ``"d"`` forward with its current parameters, which get no gradient
+(Lightning's ``toggle_model``): a gradient flows through it to ``x``, never into its
+parameters. The other members are given to the loss function through the member's own
+state (a sub-state under :data:`KEY`, put in by :func:`several` and taken out again), so
+under ``compiled`` they are inputs of the member's graphs, never constants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar, NoReturn
+
+import attrs
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from fasttorch import struct
+from fasttorch.evaluation import eval_step as _eval_step
+from fasttorch.phases import Batch, Loss, Metrics, Tensors, grad_phase, loss_phase, update_phase
+from fasttorch.state import (
+    DonatedStateError,
+    TrainState,
+    check_alive,
+    evaluating,
+    is_sharded,
+    mark_donated,
+)
+from fasttorch.steps import Step
+
+__all__ = ["KEY", "Frozen", "Models", "Peers", "Several", "model_step", "several"]
+
+KEY = "several.models"
+"""The sub-state under which a member's step sees the other members during one call."""
+
+_DEAD = "_fasttorch_models_donated"
+
+
+class Frozen(struct.Record):
+    """A model that other members read and nothing trains: a distillation teacher.
+
+    No optimizer, no optimizer state, no gradients: it runs in evaluation mode (dropout
+    off, BatchNorm reading its running statistics and never updating them), with every
+    tensor detached. Build it with :meth:`create`.
+
+    Attributes:
+        tensors: the module's parameters and buffers by name (the module's own
+            storage, detached: no copy).
+        module: the template module (static), kept in evaluation mode.
+
+    Example:
+        >>> import torch, fasttorch
+        >>> teacher = fasttorch.Frozen.create(torch.nn.Linear(3, 2))
+        >>> sorted(teacher.tensors), teacher.module.training
+        (['bias', 'weight'], False)
+    """
+
+    tensors: Tensors
+    module: nn.Module = struct.field(static=True)
+
+    @classmethod
+    def create(cls, module: nn.Module) -> Frozen:
+        """Freeze ``module``: put it in evaluation mode and read its tensors (no copy).
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.Module``.
+            ValueError: its tensors are on more than one device, or it has none.
+        """
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"Frozen.create expects an nn.Module, got {type(module).__name__}")
+        tensors = {n: p.detach() for n, p in module.named_parameters()}
+        tensors.update((n, b.detach()) for n, b in module.named_buffers())
+        if not tensors:
+            raise ValueError(f"Frozen.create: {type(module).__name__} has no tensors to read")
+        devices = {t.device for t in tensors.values()}
+        if len(devices) > 1:
+            raise ValueError(
+                f"Frozen.create: the module's tensors are on {sorted(map(str, devices))}; "
+                "move the whole module to one device first (module.to(device))"
+            )
+        module.eval()
+        return cls(tensors=tensors, module=module)
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the tensors."""
+        return next(iter(self.tensors.values())).device
+
+    def apply(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module in evaluation mode with these tensors, recording no gradient."""
+        with evaluating(self.module), torch.no_grad():
+            return functional_call(self.module, self.tensors, args, kwargs)
+
+
+Member = TrainState | Frozen
+
+
+class Models(struct.Record):
+    """The state of a step over several models: named members, each trained or frozen.
+
+    A :class:`~fasttorch.TrainState` per trained model (its own optimizer, step counter,
+    RNG and transform sub-states) and a :class:`Frozen` per model that is only read.
+    A pytree like any state: ``torch.compile`` and checkpoints see every member's
+    tensors. ``state["g"]`` is a member.
+
+    Example:
+        >>> import torch, fasttorch
+        >>> opt = fasttorch.optim.adam(1e-3)
+        >>> state = fasttorch.Models.create(
+        ...     d=fasttorch.TrainState.create(torch.nn.Linear(4, 1), opt),
+        ...     g=fasttorch.TrainState.create(torch.nn.Linear(2, 4), opt),
+        ... )
+        >>> list(state.members), int(state["g"].step)
+        (['d', 'g'], 0)
+    """
+
+    members: dict[str, Member]
+
+    # The members' tensors are written in place by donating steps, as a TrainState's.
+    kept_across_calls: ClassVar[bool] = True
+
+    @classmethod
+    def create(cls, **members: Member) -> Models:
+        """Name each member: ``Models.create(d=TrainState..., g=..., teacher=Frozen...)``.
+
+        Raises:
+            TypeError: a member is neither a ``TrainState`` nor a ``Frozen``.
+            ValueError: no member trains, two members share a module, or members are on
+                different devices.
+        """
+        if not members:
+            raise ValueError("Models.create: name at least one member, e.g. Models.create(g=...)")
+        for name, m in members.items():
+            if not isinstance(m, (TrainState, Frozen)):
+                raise TypeError(
+                    f"Models.create: member {name!r} is a {type(m).__name__}; a member is a "
+                    "fasttorch.TrainState (a model that trains, with its optimizer) or a "
+                    "fasttorch.Frozen (a model that is only read: Frozen.create(teacher))"
+                )
+            if isinstance(m, TrainState):
+                check_alive(m, f"Models.create (member {name!r})")
+        if not any(isinstance(m, TrainState) for m in members.values()):
+            raise ValueError(
+                f"Models.create: every member ({', '.join(members)}) is Frozen: nothing "
+                "trains. Give the model that learns as a TrainState.create(model, opt)"
+            )
+        owners: dict[int, str] = {}
+        for name, m in members.items():
+            other = owners.setdefault(id(m.module), name)
+            if other != name:
+                raise ValueError(
+                    f"Models.create: members {other!r} and {name!r} share one module; each "
+                    "member is its own model. For two optimizers over parts of one model "
+                    "use fasttorch.optim.groups (docs/several_models.md)"
+                )
+        devices = {str(m.device) for m in members.values()}
+        if len(devices) > 1:
+            raise ValueError(
+                f"Models.create: the members are on {sorted(devices)}; put every model on "
+                "one device"
+            )
+        return cls(members=dict(members))
+
+    def __getitem__(self, name: str) -> Member:
+        try:
+            return self.members[name]
+        except KeyError:
+            raise KeyError(
+                f"Models has no member {name!r}; its members are {list(self.members)}"
+            ) from None
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the members."""
+        return next(iter(self.members.values())).device
+
+    @property
+    def module(self) -> nn.ModuleDict:
+        """The members' modules as one ``nn.ModuleDict`` (a reference loop trains a copy)."""
+        return nn.ModuleDict({n: m.module for n, m in self.members.items()})
+
+    @property
+    def params(self) -> Tensors:
+        """The trained members' parameters, named as in :attr:`module` (``"g.0.weight"``)."""
+        return {
+            f"{n}.{k}": p
+            for n, m in self.members.items()
+            if isinstance(m, TrainState)
+            for k, p in m.params.items()
+        }
+
+    def __getattr__(self, name: str) -> NoReturn:
+        # Only reached when normal lookup fails: the fields of a donated state are gone.
+        if not name.startswith("__") and _DEAD in object.__getattribute__(self, "__dict__"):
+            raise DonatedStateError(
+                f"this Models state was donated to {self.__dict__[_DEAD]}: its members' "
+                "tensors were updated in place and now belong to the state that call "
+                "returned. Use the returned state (state, metrics = step(state, batch)), "
+                "or build the members' steps with donate=False"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        if _DEAD in self.__dict__:
+            return "Models(<donated>)"
+        kinds = {n: type(m).__name__ for n, m in self.members.items()}
+        return f"Models({kinds})"
+
+
+# --------------------------------------------------------------------------- peers
+
+
+class _View(struct.Record):
+    """What a member's step reads of another member: its tensors and its module."""
+
+    params: Tensors
+    buffers: Tensors
+    module: nn.Module = struct.field(static=True)
+
+
+class _Others(struct.Record):
+    """The sub-state (:data:`KEY`) that carries the other members into a member's step."""
+
+    views: dict[str, _View]
+    owner: str = struct.field(static=True)
+
+
+class Peers:
+    """The other members, as a member's loss function sees them (``models``).
+
+    ``models["d"](x)`` runs member ``"d"``'s forward with its current parameters, in
+    its own modes (a trained member in training mode updates its BatchNorm statistics,
+    as the plain loop's ``d(g(z))`` does; a ``Frozen`` one never does). Its parameters
+    are detached: a gradient flows through the forward to ``x``, never into them.
+    """
+
+    def __init__(self, others: _Others) -> None:
+        self._others = others
+
+    def __getitem__(self, name: str) -> Callable[..., Any]:
+        views = self._others.views
+        if name not in views:
+            owner = self._others.owner
+            hint = (
+                "its own forward is apply(x)"
+                if name == owner
+                else "add it to Models.create(...), or fix the name"
+            )
+            raise KeyError(
+                f"member {owner!r}'s loss function asked for models[{name!r}], but the other "
+                f"members are {sorted(views)}: {hint}"
+            )
+        return functools.partial(_forward, views[name])
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._others.views
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._others.views)
+
+
+def _forward(view: _View, *args: Any, **kwargs: Any) -> Any:
+    params = {k: p.detach() for k, p in view.params.items()}
+    return functional_call(view.module, (params, view.buffers), args, kwargs)
+
+
+def _view(member: Member, copy_buffers: bool) -> _View:
+    if isinstance(member, Frozen):
+        return _View(params={}, buffers=member.tensors, module=member.module)
+    buffers = member.buffers
+    if copy_buffers:  # copying semantics: a training forward updates BatchNorm statistics
+        buffers = {k: b.clone() for k, b in buffers.items()}
+    return _View(params=member.params, buffers=buffers, module=member.module)
+
+
+# --------------------------------------------------------------------------- member steps
+
+
+def model_step(
+    loss_fn: Callable[[Callable[..., Any], Batch, Peers], Any], *, donate: bool = True
+) -> Step:
+    """A step for one model of several: ``loss_fn(apply, batch, models)``.
+
+    As :func:`fasttorch.step`, with a third argument: ``models``, the other members of
+    the :class:`Models` state (``models["d"](x)`` runs member ``"d"``, see
+    :class:`Peers`). Transform it as any step, then give it to :func:`several` under its
+    member's name. Called on its own (outside :func:`several`) it raises.
+
+    Equivalent to the plain loop's body for one of several models (Lightning's
+    ``toggle_model``: the others' parameters take no gradient)::
+
+        loss = loss_fn(g, batch, {"d": d})  # d(x): d's parameters with requires_grad off
+        loss.backward()
+        g_opt.step()
+        g_opt.zero_grad(set_to_none=True)
+
+    Args:
+        loss_fn: ``(apply, batch, models) -> loss | (loss, aux) | Loss``.
+        donate: as for :func:`fasttorch.step`; every member of one :func:`several`
+            step must agree.
+
+    Raises:
+        TypeError: ``loss_fn`` is not callable or cannot be called with three arguments.
+
+    Example:
+        >>> import torch, fasttorch
+        >>> def g_loss(apply, z, models):
+        ...     return -models["d"](apply(z)).mean()
+        >>> fasttorch.model_step(g_loss)
+        Step('g_loss', transforms=[], substates=[], donate=True)
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"model_step expects a loss function, got {type(loss_fn).__name__}")
+    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    _check_arity(loss_fn, name)
+    if not isinstance(donate, bool):
+        raise TypeError(f"model_step: donate must be a bool, got {donate!r}")
+
+    def call(apply: Callable[..., Any], batch: Any) -> Any:
+        data, models = batch
+        return loss_fn(apply, data, models)
+
+    call.__name__ = call.__qualname__ = name
+    inner = loss_phase(call)
+
+    def loss(state: TrainState, params: Tensors, buffers: Tensors, batch: Batch) -> Loss:
+        others = state.substates.get(KEY)
+        if others is None:
+            raise ValueError(
+                f"model_step {name!r} reads the other models (its loss function takes "
+                "models): run it inside fasttorch.several({...}) over a fasttorch.Models "
+                "state, or build a one-model step with fasttorch.step(loss_fn)"
+            )
+        # The data first: the default sample count is its first tensor's leading size.
+        return inner(state, params, buffers, (batch, Peers(others)))
+
+    return Step(
+        loss=loss,
+        grad=grad_phase,
+        update=update_phase,
+        name=name,
+        doc=getattr(loss_fn, "__doc__", None),
+        donate=donate,
+    )
+
+
+def _check_arity(loss_fn: Callable[..., Any], name: str) -> None:
+    try:
+        sig = inspect.signature(loss_fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(None, None, None)
+    except TypeError as e:
+        raise TypeError(
+            f"model_step: the loss function {name}{sig} cannot be called as "
+            f"{name}(apply, batch, models) ({e}). A member's loss function takes apply (its "
+            "own forward), batch, and models (the other members: models['d'](x))"
+        ) from None
+
+
+# --------------------------------------------------------------------------- the step
+
+
+@attrs.frozen(slots=False)
+class Several:
+    """A step over a :class:`Models` state: each member's step in turn. See :func:`several`."""
+
+    steps: tuple[tuple[str, Step], ...]
+    name: str
+
+    def __attrs_post_init__(self) -> None:
+        self.__dict__["__name__"] = self.__dict__["__qualname__"] = self.name
+
+    @property
+    def donate(self) -> bool:
+        """Whether the members' steps donate their input state (all agree)."""
+        return self.steps[0][1].donate
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{n}: {s!r}" for n, s in self.steps)
+        return f"Several({{{parts}}})"
+
+    def __call__(self, state: Models, batch: Batch) -> tuple[Models, Metrics]:
+        return _run(self, state, batch)
+
+    def init(self, state: Models) -> Models:
+        """``state`` with every sub-state its members' steps need (existing ones kept)."""
+        _check_state(self, state)
+        members = dict(state.members)
+        for name, s in self.steps:
+            members[name] = s.init(members[name])  # type: ignore[arg-type]
+        return Models(members=members)
+
+    def map_steps(self, fn: Callable[[Step], Step]) -> Several:
+        """The same step with ``fn`` applied to each member's step (how ``compiled`` wraps)."""
+        return attrs.evolve(self, steps=tuple((n, fn(s)) for n, s in self.steps))
+
+    def step(self, name: str) -> Step:
+        """The step of member ``name``."""
+        for n, s in self.steps:
+            if n == name:
+                return s
+        raise KeyError(f"{self.name}: no step for member {name!r}; members: {self.names}")
+
+    @property
+    def names(self) -> list[str]:
+        """The trained members, in the order their steps run."""
+        return [n for n, _ in self.steps]
+
+    def eval_step(self, name: str, *, use_ema: bool = False) -> Callable[[Models, Batch], Metrics]:
+        """``(state, batch) -> metrics``: member ``name``'s loss, evaluated, no update.
+
+        As :func:`fasttorch.eval_step` of that member's step (``use_ema`` included),
+        with every member in evaluation mode.
+        """
+        inner = _eval_step(self.step(name), use_ema=use_ema)
+
+        def evaluate(state: Models, batch: Batch) -> Metrics:
+            _check_state(self, state)
+            own = state.members[name]
+            assert isinstance(own, TrainState)
+            others = _Others(
+                views={n: _view(m, False) for n, m in state.members.items() if n != name},
+                owner=name,
+            )
+            with _all_evaluating(state):
+                return inner(own.replace(substates={**own.substates, KEY: others}), batch)
+
+        evaluate.__name__ = evaluate.__qualname__ = f"{self.name}.{name}"
+        return evaluate
+
+
+def several(steps: Mapping[str, Step]) -> Several:
+    """One step over several models: each member's step in turn, within one call.
+
+    ``steps`` maps each trained member of a :class:`Models` state to its step (from
+    :func:`model_step`, or :func:`fasttorch.step` for a member that reads no other),
+    transformed as any step. The steps run in the mapping's order, each seeing the
+    others as they are at that moment: in ``several({"d": d_step, "g": g_step})`` the
+    generator's loss reads the discriminator ``d_step`` just updated, as in the plain
+    loop. Metrics come back per member (``metrics["d"]["loss"]``). ``compiled`` of the
+    result compiles each member's step (its graphs are its own); ``Frozen`` members
+    have no step. Accumulating across calls (``grad_accumulate(..., across_calls=True)``
+    on each member) gives the loop where each call is one microbatch of every model.
+
+    Equivalent to the plain loop (the GAN of the guide, one microbatch per call)::
+
+        d_loss = d_loss_fn(d, batch, {"g": g})   # reads g(z).detach()
+        d_loss.backward(); d_opt.step(); d_opt.zero_grad()
+        with toggle(d):                          # d's parameters take no gradient
+            g_loss = g_loss_fn(g, batch, {"d": d})
+        g_loss.backward(); g_opt.step(); g_opt.zero_grad()
+
+    Args:
+        steps: member name -> step, in the order they run.
+
+    Returns:
+        A :class:`Several`: ``(Models, batch) -> (Models, metrics)``.
+
+    Raises:
+        TypeError: ``steps`` is not a mapping of names to fasttorch steps.
+        ValueError: no steps, one step object under two names, or members that
+            disagree on donation.
+
+    Example:
+        >>> import torch, fasttorch
+        >>> torch.manual_seed(0) and None
+        >>> def d_loss(apply, batch, models):
+        ...     real, z = batch
+        ...     fake = models["g"](z).detach()
+        ...     return apply(fake).mean() - apply(real).mean()
+        >>> def g_loss(apply, batch, models):
+        ...     real, z = batch
+        ...     return -models["d"](apply(z)).mean()
+        >>> opt = fasttorch.optim.sgd(0.01)
+        >>> state = fasttorch.Models.create(
+        ...     d=fasttorch.TrainState.create(torch.nn.Linear(4, 1), opt),
+        ...     g=fasttorch.TrainState.create(torch.nn.Linear(2, 4), opt),
+        ... )
+        >>> gan = fasttorch.several(
+        ...     {"d": fasttorch.model_step(d_loss), "g": fasttorch.model_step(g_loss)}
+        ... )
+        >>> state, metrics = gan(state, (torch.randn(8, 4), torch.randn(8, 2)))
+        >>> sorted(metrics), int(state["d"].step), int(state["g"].step)
+        (['d', 'g'], 1, 1)
+    """
+    if not isinstance(steps, Mapping):
+        raise TypeError(
+            f"several expects a mapping of member names to steps, got {type(steps).__name__}; "
+            "write several({'d': d_step, 'g': g_step})"
+        )
+    if not steps:
+        raise ValueError("several: give at least one member's step")
+    seen: dict[int, str] = {}
+    for name, s in steps.items():
+        if not isinstance(name, str):
+            raise TypeError(f"several: member names are strings, got {name!r}")
+        if isinstance(s, Several):
+            raise TypeError(f"several: member {name!r} is itself a several step; nest members")
+        if not isinstance(s, Step):
+            kind = getattr(s, "__name__", type(s).__name__)
+            raise TypeError(
+                f"several: member {name!r} is {kind!r}, not a fasttorch step. Build each "
+                "member's step with fasttorch.model_step(loss_fn) (or fasttorch.step), "
+                "apply its transforms, and compile the whole: compiled(several({...}))"
+            )
+        other = seen.setdefault(id(s), name)
+        if other != name:
+            raise ValueError(
+                f"several: members {other!r} and {name!r} are given the same step object; "
+                "build one step per member (its compiled graphs and buffers are its own)"
+            )
+    donates = {n: s.donate for n, s in steps.items()}
+    if len(set(donates.values())) > 1:
+        raise ValueError(
+            f"several: the members' steps disagree on donation ({donates}); build them all "
+            "with the same donate=..."
+        )
+    names = "+".join(steps)
+    return Several(steps=tuple(steps.items()), name=f"several({names})")
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def _check_state(step: Several, state: Any) -> None:
+    if not isinstance(state, Models):
+        raise TypeError(
+            f"{step.name} expects a fasttorch.Models state (its members by name), got "
+            f"{type(state).__name__}: build it with fasttorch.Models.create(d=..., g=...)"
+        )
+    members = state.members  # raises DonatedStateError for a donated state
+    for name, _ in step.steps:
+        m = members.get(name)
+        if m is None:
+            raise ValueError(
+                f"{step.name}: there is a step for member {name!r}, but the state's members "
+                f"are {list(members)}; name the members as the steps are named"
+            )
+        if isinstance(m, Frozen):
+            raise ValueError(
+                f"{step.name}: member {name!r} is Frozen (no optimizer) but has a step; "
+                "train it as a TrainState.create(model, opt), or drop its step"
+            )
+    stepped = dict(step.steps)
+    untrained = [n for n, m in members.items() if isinstance(m, TrainState) and n not in stepped]
+    if untrained:
+        raise ValueError(
+            f"{step.name}: members {untrained} are TrainStates that no step trains; give "
+            "each a step, or make it a fasttorch.Frozen if it only is read"
+        )
+    for name, m in members.items():
+        if isinstance(m, TrainState):
+            check_alive(m, f"{step.name} (member {name!r})")
+        if is_sharded(m.module):
+            raise ValueError(
+                f"{step.name}: member {name!r} is sharded with FSDP2, which a step over "
+                "several models does not drive; train replicated members with sync_on_last"
+            )
+
+
+def _all_evaluating(state: Models) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    for m in state.members.values():
+        stack.enter_context(evaluating(m.module))
+    return stack
+
+
+def _run(step: Several, state: Models, batch: Batch) -> tuple[Models, Metrics]:
+    _check_state(step, state)
+    members: dict[str, Member] = dict(state.members)
+    for m in members.values():
+        if isinstance(m, Frozen) and m.module.training:
+            m.module.eval()  # put back in the mode a Frozen runs in (a user's .train())
+    metrics: Metrics = {}
+    consumed: list[TrainState] = []
+    try:
+        for name, s in step.steps:
+            own = members[name]
+            assert isinstance(own, TrainState)
+            # The member's own sub-states first, then the others, in the same order on
+            # every call: a compiled graph guards on the order of the keys.
+            own = s.init(own)
+            others = _Others(
+                views={n: _view(m, not s.donate) for n, m in members.items() if n != name},
+                owner=name,
+            )
+            consumed.append(own)
+            new, metrics[name] = s(own.replace(substates={**own.substates, KEY: others}), batch)
+            seen: _Others = new.substates[KEY]
+            subs = {k: v for k, v in new.substates.items() if k != KEY}
+            members[name] = new.replace(substates=subs)
+            if not s.donate:  # the BatchNorm statistics the others' forwards updated
+                for n, v in seen.views.items():
+                    m = members[n]
+                    if isinstance(m, TrainState) and v.buffers:
+                        members[n] = m.replace(buffers=v.buffers)
+    except BaseException:
+        if step.donate and consumed:  # the members stepped so far were updated in place
+            _consume(state, consumed, f"{step.name}, which failed part-way")
+        raise
+    if step.donate:
+        _consume(state, consumed, step.name)
+    return Models(members=members), metrics
+
+
+def _consume(state: Models, consumed: list[TrainState], by: str) -> None:
+    """Mark the donated input and its consumed members dead."""
+    for m in consumed:
+        mark_donated(m, by)
+    d = object.__getattribute__(state, "__dict__")
+    d.clear()
+    d[_DEAD] = by
