@@ -29,7 +29,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from fasttorch import struct
+from fasttorch import _compat, struct
+from fasttorch._checks import warn_once
 from fasttorch.evaluation import eval_step as _eval_step
 from fasttorch.phases import Batch, Loss, Metrics, Tensors, grad_phase, loss_phase, update_phase
 from fasttorch.state import (
@@ -42,7 +43,16 @@ from fasttorch.state import (
 )
 from fasttorch.steps import Step
 
-__all__ = ["KEY", "Frozen", "Models", "Peers", "Several", "model_step", "several"]
+__all__ = [
+    "KEY",
+    "Frozen",
+    "Models",
+    "Peers",
+    "Several",
+    "UnknownMemberError",
+    "model_step",
+    "several",
+]
 
 KEY = "several.models"
 """The sub-state under which a member's step sees the other members during one call."""
@@ -239,6 +249,10 @@ class _Others(struct.Record):
     owner: str = struct.field(static=True)
 
 
+class UnknownMemberError(KeyError):
+    """A member's loss function asked ``models`` for a name the state does not have."""
+
+
 class Peers:
     """The other members, as a member's loss function sees them (``models``).
 
@@ -260,7 +274,7 @@ class Peers:
                 if name == owner
                 else "add it to Models.create(...), or fix the name"
             )
-            raise KeyError(
+            raise UnknownMemberError(
                 f"member {owner!r}'s loss function asked for models[{name!r}], but the other "
                 f"members are {sorted(views)}: {hint}"
             )
@@ -275,7 +289,35 @@ class Peers:
 
 def _forward(view: _View, *args: Any, **kwargs: Any) -> Any:
     params = {k: p.detach() for k, p in view.params.items()}
-    return functional_call(view.module, (params, view.buffers), args, kwargs)
+    buffers = view.buffers
+    if buffers and view.module.training and _BUFFERS_CAPTURED and torch.compiler.is_compiling():
+        # torch.func.grad (the graph's gradient on torch < 2.12) refuses in-place writes
+        # into a tensor it did not get as an argument: the other model's BatchNorm
+        # statistics are computed on copies and not kept (several warns once, host-side).
+        buffers = {k: b.clone() for k, b in buffers.items()}
+    return functional_call(view.module, (params, buffers), args, kwargs)
+
+
+_BUFFERS_CAPTURED = not _compat.AUTOGRAD_GRAD_IN_GRAPH
+
+
+def _warn_captured(step: Step, name: str, members: Mapping[str, Member]) -> None:
+    """Warn once when a compiled member's step cannot update another's buffers."""
+    if not _BUFFERS_CAPTURED or step.is_eager:
+        return
+    hit = [
+        n
+        for n, m in members.items()
+        if n != name and isinstance(m, TrainState) and m.buffers and m.module.training
+    ]
+    if hit:
+        warn_once(
+            f"several: under compiled on torch {torch.__version__} (before 2.12) the "
+            f"gradient of member {name!r} is taken by torch.func.grad, which cannot update "
+            f"the buffers of {hit} in place: their forward in {name!r}'s loss uses its "
+            "BatchNorm statistics without updating them (their own steps still do). "
+            "torch 2.12 or later, or an eager step, updates them as the plain loop does"
+        )
 
 
 def _view(member: Member, copy_buffers: bool) -> _View:
@@ -511,7 +553,10 @@ def several(steps: Mapping[str, Step]) -> Several:
         if not isinstance(name, str):
             raise TypeError(f"several: member names are strings, got {name!r}")
         if isinstance(s, Several):
-            raise TypeError(f"several: member {name!r} is itself a several step; nest members")
+            raise TypeError(
+                f"several: member {name!r} is itself a several step; give its members' "
+                "steps here instead, one per model"
+            )
         if not isinstance(s, Step):
             kind = getattr(s, "__name__", type(s).__name__)
             raise TypeError(
@@ -596,12 +641,20 @@ def _run(step: Several, state: Models, batch: Batch) -> tuple[Models, Metrics]:
             # The member's own sub-states first, then the others, in the same order on
             # every call: a compiled graph guards on the order of the keys.
             own = s.init(own)
+            _warn_captured(s, name, members)
             others = _Others(
                 views={n: _view(m, not s.donate) for n, m in members.items() if n != name},
                 owner=name,
             )
             consumed.append(own)
-            new, metrics[name] = s(own.replace(substates={**own.substates, KEY: others}), batch)
+            given = own.replace(substates={**own.substates, KEY: others})
+            try:
+                new, metrics[name] = s(given, batch)
+            except Exception as e:
+                clear = _eager_error(s, own, others, batch, e)
+                if clear is not None:  # raised while tracing a graph: as eager raises it
+                    raise clear from e
+                raise
             seen: _Others = new.substates[KEY]
             subs = {k: v for k, v in new.substates.items() if k != KEY}
             members[name] = new.replace(substates=subs)
@@ -617,6 +670,33 @@ def _run(step: Several, state: Models, batch: Batch) -> tuple[Models, Metrics]:
     if step.donate:
         _consume(state, consumed, step.name)
     return Models(members=members), metrics
+
+
+def _eager_error(
+    step: Step, own: TrainState, others: _Others, batch: Batch, error: Exception
+) -> UnknownMemberError | None:
+    """The :class:`UnknownMemberError` that a compiler's trace wrapped in its own, if any.
+
+    Raised while a graph is traced, it reaches the caller as the compiler's "observed
+    exception", without its message: the member's loss phase runs once more, eagerly
+    and without gradients, to raise it as eager does.
+    """
+    if step.is_eager or isinstance(error, UnknownMemberError):
+        return None
+    if "observed exception" not in str(error).lower():
+        return None
+    probe = own.replace(
+        substates={**own.substates, KEY: others},
+        buffers={k: b.clone() for k, b in own.buffers.items()},
+    )
+    try:
+        with torch.no_grad():
+            step.loss(probe, probe.params, probe.buffers, batch)
+    except UnknownMemberError as e:
+        return e
+    except Exception:
+        return None
+    return None
 
 
 def _consume(state: Models, consumed: list[TrainState], by: str) -> None:
