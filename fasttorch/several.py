@@ -26,6 +26,7 @@ from typing import Any, ClassVar, NoReturn
 
 import attrs
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.func import functional_call
 
@@ -42,6 +43,7 @@ from fasttorch.state import (
     mark_donated,
 )
 from fasttorch.steps import Step
+from fasttorch.transforms.with_amp import KEY as AMP_KEY
 
 __all__ = [
     "KEY",
@@ -424,6 +426,7 @@ class Several:
 
     steps: tuple[tuple[str, Step], ...]
     name: str
+    share_loss_scale: bool = False
 
     def __attrs_post_init__(self) -> None:
         self.__dict__["__name__"] = self.__dict__["__qualname__"] = self.name
@@ -487,7 +490,7 @@ class Several:
         return evaluate
 
 
-def several(steps: Mapping[str, Step]) -> Several:
+def several(steps: Mapping[str, Step], *, share_loss_scale: bool = False) -> Several:
     """One step over several models: each member's step in turn, within one call.
 
     ``steps`` maps each trained member of a :class:`Models` state to its step (from
@@ -508,8 +511,16 @@ def several(steps: Mapping[str, Step]) -> Several:
             g_loss = g_loss_fn(g, batch, {"d": d})
         g_loss.backward(); g_opt.step(); g_opt.zero_grad()
 
+    With ``with_amp(step, "fp16")`` each member keeps its own loss scale (the loop with a
+    ``GradScaler`` per optimizer); ``share_loss_scale=True`` gives them one, as one
+    ``GradScaler`` for both optimizers: every member's step in a call uses the scale as
+    it was before the call, and the scale is adjusted once after all of them, backing
+    off if any member's gradients overflowed (that member skips its update, the others
+    do not).
+
     Args:
         steps: member name -> step, in the order they run.
+        share_loss_scale: one fp16 loss scale for all members (each needs ``with_amp``).
 
     Returns:
         A :class:`Several`: ``(Models, batch) -> (Models, metrics)``.
@@ -577,7 +588,20 @@ def several(steps: Mapping[str, Step]) -> Several:
             "with the same donate=..."
         )
     names = "+".join(steps)
-    return Several(steps=tuple(steps.items()), name=f"several({names})")
+    if not isinstance(share_loss_scale, bool):
+        raise TypeError(f"several: share_loss_scale must be a bool, got {share_loss_scale!r}")
+    if share_loss_scale:
+        # An fp16 with_amp declares its loss-scale sub-state among the step's inits.
+        plain = [n for n, s in steps.items() if AMP_KEY not in dict(s.inits)]
+        if plain:
+            raise ValueError(
+                f"several: share_loss_scale=True, but the steps of {plain} keep no loss "
+                "scale; a shared loss scale is fp16's: wrap each member's step with "
+                "fasttorch.with_amp(step, 'fp16')"
+            )
+    return Several(
+        steps=tuple(steps.items()), name=f"several({names})", share_loss_scale=share_loss_scale
+    )
 
 
 # --------------------------------------------------------------------------- driver
@@ -634,42 +658,119 @@ def _run(step: Several, state: Models, batch: Batch) -> tuple[Models, Metrics]:
             m.module.eval()  # put back in the mode a Frozen runs in (a user's .train())
     metrics: Metrics = {}
     consumed: list[TrainState] = []
+    scale = _SharedScale() if step.share_loss_scale else None
     try:
         for name, s in step.steps:
-            own = members[name]
-            assert isinstance(own, TrainState)
+            before = members[name]
+            assert isinstance(before, TrainState)
+            consumed.append(before)
             # The member's own sub-states first, then the others, in the same order on
             # every call: a compiled graph guards on the order of the keys.
-            own = s.init(own)
+            own = s.init(before)
+            if own is not before:
+                consumed.append(own)
+            if scale is not None:
+                own = scale.give(step, name, own)
             _warn_captured(s, name, members)
-            others = _Others(
-                views={n: _view(m, not s.donate) for n, m in members.items() if n != name},
-                owner=name,
-            )
-            consumed.append(own)
-            given = own.replace(substates={**own.substates, KEY: others})
-            try:
-                new, metrics[name] = s(given, batch)
-            except Exception as e:
-                clear = _eager_error(s, own, others, batch, e)
-                if clear is not None:  # raised while tracing a graph: as eager raises it
-                    raise clear from e
-                raise
-            seen: _Others = new.substates[KEY]
-            subs = {k: v for k, v in new.substates.items() if k != KEY}
-            members[name] = new.replace(substates=subs)
-            if not s.donate:  # the BatchNorm statistics the others' forwards updated
-                for n, v in seen.views.items():
-                    m = members[n]
-                    if isinstance(m, TrainState) and v.buffers:
-                        members[n] = m.replace(buffers=v.buffers)
+            new, metrics[name] = _run_member(s, name, own, members, batch)
+            members[name] = new
+            if scale is not None:
+                scale.took(name, new, metrics[name])
     except BaseException:
         if step.donate and consumed:  # the members stepped so far were updated in place
             _consume(state, consumed, f"{step.name}, which failed part-way")
         raise
+    if scale is not None:
+        members = scale.combine(step, members)
     if step.donate:
         _consume(state, consumed, step.name)
     return Models(members=members), metrics
+
+
+def _run_member(
+    s: Step, name: str, own: TrainState, members: dict[str, Member], batch: Batch
+) -> tuple[TrainState, Metrics]:
+    """Member ``name``'s step on ``own``, the others given through its sub-state ``KEY``.
+
+    Copying steps give the others' buffers as copies (a training forward updates
+    BatchNorm statistics in place); their updated values go back into ``members``.
+    """
+    others = _Others(
+        views={n: _view(m, not s.donate) for n, m in members.items() if n != name},
+        owner=name,
+    )
+    given = own.replace(substates={**own.substates, KEY: others})
+    try:
+        new, metrics = s(given, batch)
+    except Exception as e:
+        clear = _eager_error(s, own, others, batch, e)
+        if clear is not None:  # raised while tracing a graph: as eager raises it
+            raise clear from e
+        raise
+    seen: _Others = new.substates[KEY]
+    if not s.donate:  # the BatchNorm statistics the others' forwards updated
+        for n, v in seen.views.items():
+            m = members[n]
+            if isinstance(m, TrainState) and v.buffers:
+                members[n] = m.replace(buffers=v.buffers)
+    subs = {k: v for k, v in new.substates.items() if k != KEY}
+    return new.replace(substates=subs), metrics
+
+
+class _SharedScale:
+    """One fp16 loss scale for every member, as one ``GradScaler`` for both optimizers.
+
+    Every member's step runs with the scale as it was before the call (a copy each: a
+    donating step adjusts its own in place). Once every member updated, the scale is
+    adjusted once from all of them, ``GradScaler.update()`` after both ``step``s: each
+    member's adjusted copy is the rule applied to the same scale with its own overflow
+    flag, so the result is the copy of any member that overflowed, else any copy
+    (``torch.where``, no host read).
+    """
+
+    def __init__(self) -> None:
+        self.before: Any = None
+        self.adjusted: dict[str, Any] = {}
+        self.skipped: dict[str, torch.Tensor | None] = {}
+
+    def give(self, step: Several, name: str, own: TrainState) -> TrainState:
+        amp = own.substates.get(AMP_KEY)
+        if amp is None:
+            raise ValueError(
+                f"{step.name}: share_loss_scale=True, but member {name!r}'s step keeps no "
+                "loss scale; wrap every member's step in fasttorch.with_amp(step, 'fp16')"
+            )
+        if self.before is None:  # the first member's scale is the shared one
+            self.before = pytree.tree_map(torch.clone, amp)
+            return own
+        mine = pytree.tree_map(torch.clone, self.before)
+        return own.replace(substates={**own.substates, AMP_KEY: mine})
+
+    def took(self, name: str, new: TrainState, metrics: Metrics) -> None:
+        self.adjusted[name] = new.substates[AMP_KEY]
+        self.skipped[name] = metrics.get("skipped")
+
+    def combine(self, step: Several, members: dict[str, Member]) -> dict[str, Member]:
+        updated = [n for n, f in self.skipped.items() if f is not None]
+        if not updated:  # a microbatch inside the window: no member touched its scale
+            return members
+        if len(updated) != len(self.skipped):
+            raise ValueError(
+                f"{step.name}: share_loss_scale=True, but only {updated} of the members "
+                f"{list(self.skipped)} updated on this call; a shared loss scale needs "
+                "every member to update on the same calls (the same grad_accumulate n)"
+            )
+        names = list(self.adjusted)
+        out = self.adjusted[names[-1]]
+        for n in names[:-1]:
+            flag = self.skipped[n]
+            out = pytree.tree_map(lambda a, b, f=flag: torch.where(f, a, b), self.adjusted[n], out)
+        result = dict(members)
+        for n in names:
+            m = result[n]
+            assert isinstance(m, TrainState)
+            result[n] = m.replace(substates={**m.substates, AMP_KEY: out})
+        return result
 
 
 def _eager_error(

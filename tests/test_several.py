@@ -91,15 +91,22 @@ def hand_gan(
     precision: str = "fp32",
     clip: float | None = None,
     dtype: torch.dtype = torch.float32,
+    scalers: list[Any] | None = None,
 ) -> tuple[nn.Module, nn.Module, list[tuple[float, float]]]:
     """The guide's loop on deep copies: each call is one microbatch of both models; on the
-    window's last, D steps, then G's loss goes through the updated D."""
+    window's last, D steps, then G's loss goes through the updated D. ``scalers``: given
+    an empty list, one ``GradScaler`` shared by both optimizers (``update()`` once, after
+    both steps) is used and appended to it."""
     d, g = copy.deepcopy(d).to(dtype), copy.deepcopy(g).to(dtype)
     d_opt = torch.optim.Adam(d.parameters(), lr=LR)
     g_opt = torch.optim.Adam(g.parameters(), lr=LR)
     fp16 = precision == "fp16"
     d_scaler = torch.amp.GradScaler("cpu", enabled=fp16)
     g_scaler = torch.amp.GradScaler("cpu", enabled=fp16)
+    shared = scalers is not None
+    if shared:
+        g_scaler = d_scaler
+        scalers.append(d_scaler)
     half = DTYPES.get(precision, torch.float32)
     log = []
     for i, (real, z) in enumerate(calls):
@@ -109,7 +116,7 @@ def hand_gan(
             ld = d_objective(d, real, g(z).detach())
         d_scaler.scale(ld / n).backward()
         if last:
-            _opt_step(d, d_opt, d_scaler, clip)
+            _opt_step(d, d_opt, d_scaler, clip, update=not shared)
         for p in d.parameters():  # toggle_model: D's parameters take no gradient
             p.requires_grad_(False)
         with torch.autocast("cpu", dtype=half, enabled=precision != "fp32"):
@@ -124,13 +131,19 @@ def hand_gan(
 
 
 def _opt_step(
-    model: nn.Module, opt: torch.optim.Optimizer, scaler: Any, clip: float | None
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    scaler: Any,
+    clip: float | None,
+    *,
+    update: bool = True,
 ) -> None:
     scaler.unscale_(opt)
     if clip is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     scaler.step(opt)
-    scaler.update()
+    if update:
+        scaler.update()
     opt.zero_grad(set_to_none=True)
 
 
@@ -513,6 +526,9 @@ def test_wrap_time_errors() -> None:
         fasttorch.several({"d": d_step, "g": d_step})
     with pytest.raises(ValueError, match="disagree on donation"):
         fasttorch.several({"d": d_step, "g": fasttorch.model_step(g_loss, donate=False)})
+    bf16 = fasttorch.with_amp(fasttorch.model_step(g_loss), "bf16")
+    with pytest.raises(ValueError, match=r"share_loss_scale=True, but the steps of \['g'\]"):
+        fasttorch.several({"g": bf16}, share_loss_scale=True)
     with pytest.raises(TypeError, match=r"models\)"):
         fasttorch.model_step(lambda apply, batch: apply(batch).sum())
     with pytest.raises(TypeError, match="wraps the phases"):
@@ -606,3 +622,41 @@ def test_batchnorm_of_the_other_model_under_compiled() -> None:
     else:
         # Once per member whose loss reads a model with BatchNorm: both, here.
         assert len(said) == 2 and tracked == 4  # D's own two forwards per call only
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_one_loss_scale_shared_by_both_optimizers(compile: bool) -> None:
+    """One GradScaler for both: an overflow in D's window halves the scale both use, D
+    skips its update and G does not; with a scale each, only D's halves."""
+    d, g = gan_models(batchnorm=False)
+    calls = gan_calls(6)
+    calls[3] = (torch.full_like(calls[3][0], float("inf")), calls[3][1])  # D's loss only
+    shared: list[Any] = []
+    ref_d, ref_g, _ = hand_gan(d, g, calls, n=2, precision="fp16", scalers=shared)
+    assert shared[0].get_scale() == 2.0**15  # the second window backed off once
+
+    def member(loss_fn: Any) -> fasttorch.Step:
+        s = fasttorch.with_amp(fasttorch.model_step(loss_fn), "fp16")
+        return fasttorch.grad_accumulate(s, 2, across_calls=True)
+
+    one = fasttorch.several({"d": member(d_loss), "g": member(g_loss)}, share_loss_scale=True)
+    each = fasttorch.several({"d": member(d_loss), "g": member(g_loss)})
+    if compile:
+        one = fasttorch.compiled(one, backend="aot_eager")
+    state, per = gan_state(d, g), gan_state(d, g)
+    for b in calls:
+        state, metrics = one(state, b)
+        per, _ = each(per, b)
+        if "skipped" in metrics["g"]:
+            assert not bool(metrics["g"]["skipped"])
+    for tag in ("d", "g"):
+        assert float(state[tag].substates["amp"].scale) == shared[0].get_scale()
+    assert float(per["d"].substates["amp"].scale) == 2.0**15
+    assert float(per["g"].substates["amp"].scale) == 2.0**16
+    # Params as the hand loop's (rule 4); rule 2's estimate from the fp32 loop over the
+    # finite windows (the fp32 loop has no scaler to skip the overflow).
+    finite = [c for i, c in enumerate(calls) if i not in (2, 3)]
+    errors = loop_error(d, g, finite, n=2)
+    errors.pop("loss")
+    atol = params_atol(errors, _tensors(state), precision="fp16", steps=3, lr=LR, half_roundings=2)
+    assert_matches(state, ref_d, ref_g, atol)
