@@ -119,7 +119,7 @@ def fast_gan(d: Any, g: Any, calls: Any, rank: int, precision: str, compile: boo
     return state, per_call
 
 
-def check(rank: int, precision: str, compile: bool) -> dict[str, Any]:
+def check(rank: int, precision: str, compile: bool, save_to: str | None = None) -> dict[str, Any]:
     d, g = gan_models(batchnorm=False)
     calls = gan_calls(4, size=2 * ROWS)
     ref_d, ref_g = ddp_gan(d, g, calls, rank, precision)
@@ -134,7 +134,13 @@ def check(rank: int, precision: str, compile: bool) -> dict[str, Any]:
     half = {"precision": precision, "steps": 2, "lr": LR, "half_roundings": 2}
     atol = params_atol(errors, {k: a for k, (a, _) in ours.items()}, **half)
     diff = max(float((a.double() - b.double()).abs().max()) for a, b in ours.values())
-    return {"diff": diff, "atol": atol, "per_call": per_call, "steps": int(state["g"].step)}
+    out = {"diff": diff, "atol": atol, "per_call": per_call, "steps": int(state["g"].step)}
+    if save_to is not None:  # saved by 2 ranks, loaded by one process in the test
+        out["saved"] = fasttorch.checkpoint.save_models(save_to, state, data={"rank": rank})
+        out["params"] = {
+            f"{t}.{k}": v.tolist() for t in ("d", "g") for k, v in state[t].params.items()
+        }
+    return out
 
 
 def run(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -142,8 +148,9 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
     results = {}
     for precision, compile in (("fp32", False), ("fp32", True), ("fp16", False), ("bf16", False)):
         name = f"{precision}_{'compiled' if compile else 'eager'}"
+        save_to = os.path.join(out_dir, "ckpt") if name == "fp32_eager" else None
         try:
-            results[name] = check(rank, precision, compile)
+            results[name] = check(rank, precision, compile, save_to)
         except Exception:
             results[name] = {"exception": traceback.format_exc()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
