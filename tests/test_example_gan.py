@@ -34,7 +34,7 @@ _one_thread = pytest.fixture(autouse=True)(one_thread)
 def test_tiny_run_moves_the_generator_toward_the_data(
     example: ModuleType, precision: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    args = [*TINY, "--no-compile", "--precision", precision, "--out", str(tmp_path)]
+    args = [*TINY, "--precision", precision, "--out", str(tmp_path)]
     summary = example.main(args)
     assert summary["steps"] == 80 and summary["precision"] == precision
     # The generator's images start far from the real ones and end much closer.
@@ -53,7 +53,8 @@ def test_compiled_tiny_run(example: ModuleType, tmp_path: Path) -> None:
     original = fasttorch.compiled
     try:
         fasttorch.compiled = lambda s, **kw: original(s, backend="aot_eager")  # type: ignore[assignment]
-        summary = example.main([*TINY, "--steps", "4", "--log-every", "2", "--out", str(tmp_path)])
+        args = [*TINY, "--compile", "--steps", "4", "--log-every", "2", "--out", str(tmp_path)]
+        summary = example.main(args)
     finally:
         fasttorch.compiled = original
     assert summary["compiled"] and summary["steps"] == 4
