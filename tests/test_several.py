@@ -660,3 +660,31 @@ def test_one_loss_scale_shared_by_both_optimizers(compile: bool) -> None:
     errors.pop("loss")
     atol = params_atol(errors, _tensors(state), precision="fp16", steps=3, lr=LR, half_roundings=2)
     assert_matches(state, ref_d, ref_g, atol)
+
+
+def test_a_call_failing_part_way_consumes_a_donated_state_and_keeps_a_copied_one() -> None:
+    """D's step ran (and wrote in place) when G's loss raised: the donated input is dead,
+    as a one-model state whose call failed; with donate=False it stays intact."""
+
+    def broken(apply: Any, batch: Any, models: Any) -> Any:
+        raise RuntimeError("a bug in the generator's loss")
+
+    d, g = gan_models()
+    batch = gan_calls(1)[0]
+    for donate in (True, False):
+        state = gan_state(d, g)
+        before = {k: v.clone() for k, v in _tensors(state).items()}
+        step = fasttorch.several(
+            {
+                "d": fasttorch.model_step(d_loss, donate=donate),
+                "g": fasttorch.model_step(broken, donate=donate),
+            }
+        )
+        with pytest.raises(RuntimeError, match="a bug in the generator's loss"):
+            step(state, batch)
+        if donate:
+            with pytest.raises(fasttorch.DonatedStateError, match="failed part-way"):
+                _ = state.members
+        else:
+            for k, v in _tensors(state).items():
+                torch.testing.assert_close(v, before[k], **EXACT)
