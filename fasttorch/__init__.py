@@ -17,8 +17,9 @@ from fasttorch._recompiles import RecompileLimitError, RecompileWarning
 from fasttorch.data import prefetch
 from fasttorch.distributed.sync_on_last import sync_on_last
 from fasttorch.evaluation import eval_step
+from fasttorch.models import Frozen, Models
 from fasttorch.population import create_population, member, member_state_dict, population_size
-from fasttorch.several import Frozen, Models, Several, model_step, several
+from fasttorch.several import Several, model_step, several
 from fasttorch.state import DonatedStateError, TrainState
 from fasttorch.steps import GradOut, Loss, Step, step
 from fasttorch.transforms import *  # noqa: F403 (every transform, listed once there)

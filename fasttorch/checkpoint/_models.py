@@ -17,7 +17,7 @@ from fasttorch.checkpoint._directory import latest
 from fasttorch.checkpoint._errors import CheckpointError
 from fasttorch.checkpoint._load import load
 from fasttorch.checkpoint._save import save
-from fasttorch.several import Models
+from fasttorch.models import Models
 from fasttorch.state import TrainState
 from fasttorch.transforms.grad_accumulate import KEY as ACCUM_KEY
 
