@@ -347,7 +347,7 @@ def test_skip_nonfinite_and_ema_of_the_generator() -> None:
     # The average after the finite update: lerp of the previous average to the params.
     for k, v in state["g"].substates["ema"].params.items():
         want = torch.lerp(ema_after_one[k], state["g"].params[k], 0.5)
-        torch.testing.assert_close(v, want, rtol=0, atol=4 * torch.finfo(v.dtype).eps)
+        torch.testing.assert_close(v, want, **EXACT)  # the same lerp kernel
 
 
 # --------------------------------------------------------------------------- distillation
@@ -368,7 +368,8 @@ class Teacher(nn.Module):
 def kd_objective(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, y: torch.Tensor, t: float = 2.0
 ) -> torch.Tensor:
-    s, te = student_logits.float(), teacher_logits.float()
+    wide = torch.float64 if student_logits.dtype == torch.float64 else torch.float32
+    s, te = student_logits.to(wide), teacher_logits.to(wide)
     kl = nn.functional.kl_div(
         nn.functional.log_softmax(s / t, -1),
         nn.functional.log_softmax(te / t, -1),
@@ -376,6 +377,31 @@ def kd_objective(
         reduction="batchmean",
     )
     return 0.5 * kl * t * t + 0.5 * nn.functional.cross_entropy(s, y)
+
+
+def kd_hand(
+    teacher: nn.Module,
+    student: nn.Module,
+    calls: Sequence[Any],
+    *,
+    precision: str = "fp32",
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    """The hand loop: teacher.eval() and requires_grad_(False), autocast, window of 2."""
+    t_ref = copy.deepcopy(teacher).to(dtype).eval().requires_grad_(False)
+    s_ref = copy.deepcopy(student).to(dtype)
+    opt = torch.optim.Adam(s_ref.parameters(), lr=LR)
+    for i, (x, y) in enumerate(calls):
+        x = x.to(dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            with torch.no_grad():
+                tl = t_ref(x)
+            loss = kd_objective(s_ref(x), tl, y)
+        (loss / 2).backward()
+        if i % 2 == 1:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return s_ref
 
 
 def kd_loss(apply: Any, batch: Any, models: Any) -> Any:
@@ -397,18 +423,7 @@ def test_distillation_from_a_frozen_teacher(compile: bool) -> None:
         for _ in range(4)
     ]
 
-    # The hand loop: teacher.eval() and requires_grad_(False), autocast bf16, window of 2.
-    t_ref, s_ref = copy.deepcopy(teacher).eval().requires_grad_(False), copy.deepcopy(student)
-    opt = torch.optim.Adam(s_ref.parameters(), lr=LR)
-    for i, (x, y) in enumerate(calls):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            with torch.no_grad():
-                tl = t_ref(x)
-            loss = kd_objective(s_ref(x), tl, y)
-        (loss / 2).backward()
-        if i % 2 == 1:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    s_ref = kd_hand(teacher, student, calls, precision="bf16")
 
     t_mod = copy.deepcopy(teacher)
     frozen = fasttorch.Frozen.create(t_mod)
@@ -435,9 +450,15 @@ def test_distillation_from_a_frozen_teacher(compile: bool) -> None:
     assert all(p.grad is None for p in t_mod.parameters())
     ours = state["student"]
     assert isinstance(ours, fasttorch.TrainState)
-    # The same autocast kernels on both sides; rule 4 over the two updates.
-    largest = max(float(p.abs().max()) for p in ours.params.values())
-    atol = 4 * 2 * LR * 2**-8 + 4 * largest * 2**-24
+    # The same autocast kernels on both sides: rule 4 over the two updates, on rule 2's
+    # error of the fp32 hand loop against float64.
+    s32 = kd_hand(teacher, student, calls)
+    s64 = kd_hand(teacher, student, calls, dtype=torch.float64)
+    errors = {
+        k: float((p.detach().double() - dict(s64.named_parameters())[k]).abs().max())
+        for k, p in s32.named_parameters()
+    }
+    atol = params_atol(errors, ours.params, precision="bf16", steps=2, lr=LR)
     for k, p in s_ref.named_parameters():
         torch.testing.assert_close(ours.params[k], p.detach(), rtol=0, atol=atol)
 
@@ -465,6 +486,24 @@ def ac_objective(out: tuple[torch.Tensor, torch.Tensor], batch: Any) -> torch.Te
     return -(logp * adv).mean() + 0.5 * nn.functional.mse_loss(value, ret)
 
 
+def ac_hand(model: nn.Module, data: Sequence[Any], dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Two torch.optim.Adam over two parameter sets, the critic's stepping every 3 steps."""
+    ref = copy.deepcopy(model).to(dtype)
+    critic = [p for n, p in ref.named_parameters() if n.startswith("critic.")]
+    rest = [p for n, p in ref.named_parameters() if not n.startswith("critic.")]
+    actor_opt = torch.optim.Adam(rest, lr=LR)
+    critic_opt = torch.optim.Adam(critic, lr=3 * LR)
+    for i, b in enumerate(data):
+        b = (b[0].to(dtype), b[1], b[2].to(dtype))
+        ac_objective(ref(b[0]), b).backward()
+        actor_opt.step()
+        if (i + 1) % 3 == 0:
+            critic_opt.step()
+        actor_opt.zero_grad(set_to_none=True)
+        critic_opt.zero_grad(set_to_none=True)
+    return ref
+
+
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_one_model_two_optimizers_the_second_every_3_steps(compile: bool) -> None:
     torch.manual_seed(5)
@@ -478,18 +517,7 @@ def test_one_model_two_optimizers_the_second_every_3_steps(compile: bool) -> Non
         )
         for _ in range(7)
     ]
-    ref = copy.deepcopy(model)
-    critic = [p for n, p in ref.named_parameters() if n.startswith("critic.")]
-    rest = [p for n, p in ref.named_parameters() if not n.startswith("critic.")]
-    actor_opt = torch.optim.Adam(rest, lr=LR)
-    critic_opt = torch.optim.Adam(critic, lr=3 * LR)
-    for i, b in enumerate(data):
-        ac_objective(ref(b[0]), b).backward()
-        actor_opt.step()
-        if (i + 1) % 3 == 0:
-            critic_opt.step()
-        actor_opt.zero_grad(set_to_none=True)
-        critic_opt.zero_grad(set_to_none=True)
+    ref = ac_hand(model, data)
 
     critic_params = re.compile(r"^critic\.")
     opt = optim.groups(optim.adam(LR), [(critic_params, optim.every(optim.adam(3 * LR), 3))])
@@ -502,9 +530,11 @@ def test_one_model_two_optimizers_the_second_every_3_steps(compile: bool) -> Non
         state, _ = step(state, b)
         if i == 1:  # two steps in: the critic has not moved
             torch.testing.assert_close(state.params["critic.weight"], critic_before, **EXACT)
-    largest = max(float(p.abs().max()) for p in state.params.values())
-    # The same Adam arithmetic in another order of kernels: rule 2's floor per step.
-    atol = 4 * len(data) * largest * 2**-23
+    ref64 = dict(ac_hand(model, data, dtype=torch.float64).named_parameters())
+    errors = {
+        k: float((p.detach().double() - ref64[k]).abs().max()) for k, p in ref.named_parameters()
+    }
+    atol = params_atol(errors, state.params)  # rule 2
     for k, p in ref.named_parameters():
         torch.testing.assert_close(state.params[k], p.detach(), rtol=0, atol=atol)
     if compile:
