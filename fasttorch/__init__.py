@@ -17,7 +17,9 @@ from fasttorch._recompiles import RecompileLimitError, RecompileWarning
 from fasttorch.data import prefetch
 from fasttorch.distributed.sync_on_last import sync_on_last
 from fasttorch.evaluation import eval_step
+from fasttorch.models import Frozen, Models
 from fasttorch.population import create_population, member, member_state_dict, population_size
+from fasttorch.several import Several, model_step, several
 from fasttorch.state import DonatedStateError, TrainState
 from fasttorch.steps import GradOut, Loss, Step, step
 from fasttorch.transforms import *  # noqa: F403 (every transform, listed once there)
@@ -25,10 +27,13 @@ from fasttorch.tuning import tune_device
 
 __all__ = [
     "DonatedStateError",
+    "Frozen",
     "GradOut",
     "Loss",
+    "Models",
     "RecompileLimitError",
     "RecompileWarning",
+    "Several",
     "Step",
     "TrainState",
     "checkpoint",
@@ -39,10 +44,12 @@ __all__ = [
     "loop",
     "member",
     "member_state_dict",
+    "model_step",
     "optim",
     "population_size",
     "prefetch",
     "schedules",
+    "several",
     "step",
     "struct",
     "sync_on_last",

@@ -40,6 +40,7 @@ See docs/checkpointing.md for the trust model and the crash-safety rules.
 #   _read: reading DCP files without running code from them
 #   _load: load and resume
 #   _export: model_state_dict and export_safetensors
+#   _models: a fasttorch.Models state, one checkpoint per trained member
 #   _patchable: the names tests replace on this package, looked up at call time
 from fasttorch.checkpoint._async_save import SaveHandle, async_save
 from fasttorch.checkpoint._directory import latest, prune
@@ -47,6 +48,7 @@ from fasttorch.checkpoint._errors import CheckpointError, CheckpointMismatchErro
 from fasttorch.checkpoint._export import export_safetensors, model_state_dict
 from fasttorch.checkpoint._load import load, resume
 from fasttorch.checkpoint._manifest import verify
+from fasttorch.checkpoint._models import latest_models, load_models, save_models
 from fasttorch.checkpoint._save import save
 
 __all__ = [
@@ -56,11 +58,14 @@ __all__ = [
     "async_save",
     "export_safetensors",
     "latest",
+    "latest_models",
     "load",
+    "load_models",
     "model_state_dict",
     "prune",
     "resume",
     "save",
+    "save_models",
     "verify",
 ]
 

@@ -10,6 +10,7 @@ hyperparameters; docs/optimizers.md shows how to write a new optimizer.
 
 from fasttorch.optim._base import LearningRate, Optimizer, OptState, set_hyperparams
 from fasttorch.optim.adam import Adam, adam, adamw
+from fasttorch.optim.every import Every, every
 from fasttorch.optim.groups import Groups, Selector, groups
 from fasttorch.optim.sgd import SGD, sgd
 from fasttorch.optim.torch_optim import TorchOptimizer, from_torch, load_torch_state_dict
@@ -17,6 +18,7 @@ from fasttorch.optim.torch_optim import TorchOptimizer, from_torch, load_torch_s
 __all__ = [
     "SGD",
     "Adam",
+    "Every",
     "Groups",
     "LearningRate",
     "OptState",
@@ -25,6 +27,7 @@ __all__ = [
     "TorchOptimizer",
     "adam",
     "adamw",
+    "every",
     "from_torch",
     "groups",
     "load_torch_state_dict",

@@ -183,6 +183,10 @@ def compiled(
         >>> int(state.step)
         1
     """
+    if callable(getattr(step, "map_steps", None)):  # several models: compile each member's step
+        given: dict[str, Any] = {"mode": mode, "fullgraph": fullgraph, "dynamic": dynamic}
+        given.update(backend=backend, options=options, cpu_gemm=cpu_gemm, cache_dir=cache_dir)
+        return step.map_steps(lambda s: compiled(s, **given, recompile_limit=recompile_limit))
     _check_arguments(mode, backend, fullgraph, dynamic)
     _checks.count(
         "compiled",

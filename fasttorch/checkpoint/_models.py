@@ -1,0 +1,119 @@
+"""Checkpoints of a :class:`fasttorch.Models` state: one checkpoint per trained member.
+
+Each trained member is saved by :func:`save` into ``directory/<member>/<name>``, under
+the same name, so every member's checkpoint is as crash-safe as a one-model one. A
+crash between two members' saves leaves the newest name in some members only:
+:func:`latest_models` returns the newest name that every member has. ``Frozen``
+members (a teacher) are not saved: they are the template's, as a model is read.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from fasttorch.checkpoint._directory import latest
+from fasttorch.checkpoint._errors import CheckpointError
+from fasttorch.checkpoint._load import load
+from fasttorch.checkpoint._save import save
+from fasttorch.models import Models
+from fasttorch.state import TrainState
+from fasttorch.substates import window_position
+
+__all__ = ["latest_models", "load_models", "save_models"]
+
+
+def _trained(state: Models, api: str) -> dict[str, TrainState]:
+    if not isinstance(state, Models):
+        raise TypeError(f"{api} expects a fasttorch.Models state, got {type(state).__name__}")
+    return {n: m for n, m in state.members.items() if isinstance(m, TrainState)}
+
+
+def save_models(
+    directory: str | os.PathLike[str],
+    state: Models,
+    *,
+    data: Any = None,
+    name: str | None = None,
+    keep_last: int | None = None,
+) -> str:
+    """Save every trained member of ``state`` as ``directory/<member>/<name>``.
+
+    As :func:`save` for each member (atomic, verified; ``data`` kept with each), all
+    under one name: by default the first member's ``step_<step>`` (``_micro<k>``
+    inside an accumulation window). Returns that name.
+
+    Example:
+        >>> import tempfile, torch, fasttorch
+        >>> from fasttorch.checkpoint import latest_models, load_models, save_models
+        >>> def make():
+        ...     torch.manual_seed(0)
+        ...     return fasttorch.Models.create(
+        ...         g=fasttorch.TrainState.create(torch.nn.Linear(2, 2), fasttorch.optim.sgd(0.1)),
+        ...         teacher=fasttorch.Frozen.create(torch.nn.Linear(2, 2)))
+        >>> root = tempfile.mkdtemp()
+        >>> save_models(root, make(), data={"epoch": 1})
+        'step_000000000'
+        >>> state, data = load_models(root, latest_models(root), make())
+        >>> data, int(state["g"].step)
+        ({'epoch': 1}, 0)
+    """
+    members = _trained(state, "checkpoint.save_models")
+    if name is None:
+        first = next(iter(members.values()))
+        micro = window_position(first.substates)
+        name = f"step_{int(first.step):09d}" + (f"_micro{micro}" if micro else "")
+    for member, s in members.items():
+        save(Path(directory) / member, s, data=data, name=name, keep_last=keep_last)
+    return name
+
+
+def latest_models(directory: str | os.PathLike[str]) -> str | None:
+    """The newest checkpoint name that every member saved in ``directory`` (or ``None``).
+
+    Members' directories are compared by name: a save interrupted after some members
+    leaves a newer name in those only, which is passed over.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        return None
+    dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not dirs:
+        return None
+    names: set[str] | None = None
+    for d in dirs:
+        here = {p.name for p in d.iterdir() if p.is_dir() and not p.name.startswith(".")}
+        names = here if names is None else names & here
+    newest = [latest(d) for d in dirs]
+    # The oldest of the members' newest: every member has it unless a save is missing.
+    candidates = sorted(n.name for n in newest if n is not None and names and n.name in names)
+    return candidates[0] if candidates else None
+
+
+def load_models(
+    directory: str | os.PathLike[str], name: str | None, template: Models
+) -> tuple[Models, Any]:
+    """Load checkpoint ``name`` of every trained member into a state shaped like ``template``.
+
+    ``template`` is built as the saved state was (same members, models, optimizers,
+    ``step.init`` for the same transforms); its ``Frozen`` members are kept as they
+    are. Returns ``(state, data)``, ``data`` as saved with the first member.
+
+    Raises:
+        CheckpointError: ``name`` is ``None`` (nothing saved) or a member's
+            checkpoint is missing or damaged (see :func:`load`).
+    """
+    members = _trained(template, "checkpoint.load_models")
+    if name is None:
+        raise CheckpointError(
+            f"checkpoint.load_models: no checkpoint that every member "
+            f"({', '.join(members)}) saved in {str(directory)!r}"
+        )
+    out: dict[str, Any] = dict(template.members)
+    data: Any = None
+    for i, (member, s) in enumerate(members.items()):
+        out[member], d = load(Path(directory) / member / name, s)
+        if i == 0:
+            data = d
+    return Models(members=out), data

@@ -1,0 +1,202 @@
+"""The state of a step over several models: :class:`Models`, its members, :class:`Frozen`.
+
+A :class:`Models` holds named members: a :class:`~fasttorch.TrainState` per model that
+trains and a :class:`Frozen` per model that is only read (a distillation teacher).
+:func:`fasttorch.several` steps it (docs/several_models.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, NoReturn
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from fasttorch import struct
+from fasttorch.phases import Tensors
+from fasttorch.state import DonatedStateError, TrainState, check_alive, evaluating, mark_donated
+
+__all__ = ["Frozen", "Member", "Models", "consume"]
+
+_DEAD = "_fasttorch_models_donated"
+
+
+class Frozen(struct.Record):
+    """A model that other members read and nothing trains: a distillation teacher.
+
+    No optimizer, no optimizer state, no gradients: it runs in evaluation mode (dropout
+    off, BatchNorm reading its running statistics and never updating them), with every
+    tensor detached. Build it with :meth:`create`.
+
+    Attributes:
+        tensors: the module's parameters and buffers by name (the module's own
+            storage, detached: no copy).
+        module: the template module (static), kept in evaluation mode.
+
+    Example:
+        >>> import torch, fasttorch
+        >>> teacher = fasttorch.Frozen.create(torch.nn.Linear(3, 2))
+        >>> sorted(teacher.tensors), teacher.module.training
+        (['bias', 'weight'], False)
+    """
+
+    tensors: Tensors
+    module: nn.Module = struct.field(static=True)
+
+    @classmethod
+    def create(cls, module: nn.Module) -> Frozen:
+        """Freeze ``module``: put it in evaluation mode and read its tensors (no copy).
+
+        Raises:
+            TypeError: ``module`` is not an ``nn.Module``.
+            ValueError: its tensors are on more than one device, or it has none.
+        """
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"Frozen.create expects an nn.Module, got {type(module).__name__}")
+        tensors = {n: p.detach() for n, p in module.named_parameters()}
+        tensors.update((n, b.detach()) for n, b in module.named_buffers())
+        if not tensors:
+            raise ValueError(f"Frozen.create: {type(module).__name__} has no tensors to read")
+        devices = {t.device for t in tensors.values()}
+        if len(devices) > 1:
+            raise ValueError(
+                f"Frozen.create: the module's tensors are on {sorted(map(str, devices))}; "
+                "move the whole module to one device first (module.to(device))"
+            )
+        module.eval()
+        return cls(tensors=tensors, module=module)
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the tensors."""
+        return next(iter(self.tensors.values())).device
+
+    def apply(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the module in evaluation mode with these tensors, recording no gradient."""
+        with evaluating(self.module), torch.no_grad():
+            return functional_call(self.module, self.tensors, args, kwargs)
+
+
+Member = TrainState | Frozen
+
+
+class Models(struct.Record):
+    """The state of a step over several models: named members, each trained or frozen.
+
+    A :class:`~fasttorch.TrainState` per trained model (its own optimizer, step counter,
+    RNG and transform sub-states) and a :class:`Frozen` per model that is only read.
+    A pytree like any state: ``torch.compile`` and checkpoints see every member's
+    tensors. ``state["g"]`` is a member.
+
+    Example:
+        >>> import torch, fasttorch
+        >>> opt = fasttorch.optim.adam(1e-3)
+        >>> state = fasttorch.Models.create(
+        ...     d=fasttorch.TrainState.create(torch.nn.Linear(4, 1), opt),
+        ...     g=fasttorch.TrainState.create(torch.nn.Linear(2, 4), opt),
+        ... )
+        >>> list(state.members), int(state["g"].step)
+        (['d', 'g'], 0)
+    """
+
+    members: dict[str, Member]
+
+    # The members' tensors are written in place by donating steps, as a TrainState's.
+    kept_across_calls: ClassVar[bool] = True
+
+    @classmethod
+    def create(cls, **members: Member) -> Models:
+        """Name each member: ``Models.create(d=TrainState..., g=..., teacher=Frozen...)``.
+
+        Raises:
+            TypeError: a member is neither a ``TrainState`` nor a ``Frozen``.
+            ValueError: no member trains, two members share a module, or members are on
+                different devices.
+        """
+        if not members:
+            raise ValueError("Models.create: name at least one member, e.g. Models.create(g=...)")
+        for name, m in members.items():
+            if not isinstance(m, (TrainState, Frozen)):
+                raise TypeError(
+                    f"Models.create: member {name!r} is a {type(m).__name__}; a member is a "
+                    "fasttorch.TrainState (a model that trains, with its optimizer) or a "
+                    "fasttorch.Frozen (a model that is only read: Frozen.create(teacher))"
+                )
+            if isinstance(m, TrainState):
+                check_alive(m, f"Models.create (member {name!r})")
+        if not any(isinstance(m, TrainState) for m in members.values()):
+            raise ValueError(
+                f"Models.create: every member ({', '.join(members)}) is Frozen: nothing "
+                "trains. Give the model that learns as a TrainState.create(model, opt)"
+            )
+        owners: dict[int, str] = {}
+        for name, m in members.items():
+            other = owners.setdefault(id(m.module), name)
+            if other != name:
+                raise ValueError(
+                    f"Models.create: members {other!r} and {name!r} share one module; each "
+                    "member is its own model. For two optimizers over parts of one model "
+                    "use fasttorch.optim.groups (docs/several_models.md)"
+                )
+        devices = {str(m.device) for m in members.values()}
+        if len(devices) > 1:
+            raise ValueError(
+                f"Models.create: the members are on {sorted(devices)}; put every model on "
+                "one device"
+            )
+        return cls(members=dict(members))
+
+    def __getitem__(self, name: str) -> Member:
+        try:
+            return self.members[name]
+        except KeyError:
+            raise KeyError(
+                f"Models has no member {name!r}; its members are {list(self.members)}"
+            ) from None
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the members."""
+        return next(iter(self.members.values())).device
+
+    @property
+    def module(self) -> nn.ModuleDict:
+        """The members' modules as one ``nn.ModuleDict`` (a reference loop trains a copy)."""
+        return nn.ModuleDict({n: m.module for n, m in self.members.items()})
+
+    @property
+    def params(self) -> Tensors:
+        """The trained members' parameters, named as in :attr:`module` (``"g.0.weight"``)."""
+        return {
+            f"{n}.{k}": p
+            for n, m in self.members.items()
+            if isinstance(m, TrainState)
+            for k, p in m.params.items()
+        }
+
+    def __getattr__(self, name: str) -> NoReturn:
+        # Only reached when normal lookup fails: the fields of a donated state are gone.
+        if not name.startswith("__") and _DEAD in object.__getattribute__(self, "__dict__"):
+            raise DonatedStateError(
+                f"this Models state was donated to {self.__dict__[_DEAD]}: its members' "
+                "tensors were updated in place and now belong to the state that call "
+                "returned. Use the returned state (state, metrics = step(state, batch)), "
+                "or build the members' steps with donate=False"
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        if _DEAD in self.__dict__:
+            return "Models(<donated>)"
+        kinds = {n: type(m).__name__ for n, m in self.members.items()}
+        return f"Models({kinds})"
+
+
+def consume(state: Models, consumed: list[TrainState], by: str) -> None:
+    """Mark the donated input and its consumed members dead."""
+    for m in consumed:
+        mark_donated(m, by)
+    d = object.__getattribute__(state, "__dict__")
+    d.clear()
+    d[_DEAD] = by

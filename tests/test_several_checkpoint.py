@@ -1,0 +1,135 @@
+"""Checkpoints, evaluation and the testing kit over a fasttorch.Models state."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from test_several import (
+    LR,
+    _tensors,
+    d_loss,
+    g_loss,
+    gan_calls,
+    gan_models,
+    gan_state,
+    hand_gan,
+    kd_loss,
+    loop_error,
+)
+from tolerance import EXACT, params_atol
+
+import fasttorch
+from fasttorch import optim
+from fasttorch.checkpoint import latest_models, load_models, save_models
+
+
+def _step() -> fasttorch.Several:
+    def member(loss_fn: Any) -> fasttorch.Step:
+        s = fasttorch.with_amp(fasttorch.model_step(loss_fn), "fp16")
+        return fasttorch.ema(fasttorch.grad_accumulate(s, 2, across_calls=True), 0.9)
+
+    return fasttorch.several({"d": member(d_loss), "g": member(g_loss)})
+
+
+def test_resume_mid_window_is_bit_exact(tmp_path: Any) -> None:
+    d, g = gan_models()
+    calls = gan_calls(5)
+    step = _step()
+    straight = gan_state(d, g)
+    for b in calls:
+        straight, _ = step(straight, b)
+
+    state = gan_state(d, g)
+    for b in calls[:3]:  # stops inside the second window (a microbatch accumulated)
+        state, _ = step(state, b)
+    name = save_models(tmp_path, state, data={"call": 3})
+    assert name == "step_000000001_micro1"
+    assert latest_models(tmp_path) == name
+    del state
+    template = step.init(gan_state(*gan_models(seed=9)))  # other values, same shapes
+    resumed, data = load_models(tmp_path, latest_models(tmp_path), template)
+    assert data == {"call": 3}
+    for b in calls[data["call"] :]:
+        resumed, _ = step(resumed, b)
+    for tag in ("d", "g"):
+        a, b_ = straight[tag], resumed[tag]
+        fasttorch.testing.assert_states_close(a, b_, **EXACT, what=f"member {tag}")
+
+
+def test_an_interrupted_save_resumes_from_the_last_name_every_member_has(tmp_path: Any) -> None:
+    d, g = gan_models()
+    state = gan_state(d, g)
+    save_models(tmp_path, state, name="a_first")
+    fasttorch.checkpoint.save(tmp_path / "d", state["d"], name="b_second")  # g never saved
+    assert latest_models(tmp_path) == "a_first"
+    with pytest.raises(fasttorch.checkpoint.CheckpointError, match="every member"):
+        load_models(tmp_path / "nothing", latest_models(tmp_path / "nothing"), state)
+
+
+def test_eval_step_on_one_member_changes_nothing() -> None:
+    d, g = gan_models()
+    state = gan_state(d, g)
+    step = fasttorch.several({"d": fasttorch.model_step(d_loss), "g": fasttorch.model_step(g_loss)})
+    before = {k: v.clone() for k, v in state["d"].buffers.items()}
+    metrics = step.eval_step("g")(state, gan_calls(1)[0])
+    real, z = gan_calls(1)[0]
+    d_ref, g_ref = copy.deepcopy(d).eval(), copy.deepcopy(g).eval()
+    with torch.no_grad():
+        out = d_ref(g_ref(z))
+        want = torch.nn.functional.binary_cross_entropy_with_logits(out, torch.ones_like(out))
+    torch.testing.assert_close(metrics["loss"], want, **EXACT)
+    for k, v in state["d"].buffers.items():
+        torch.testing.assert_close(v, before[k], **EXACT)
+    assert state["d"].module.training and state["g"].module.training
+    with pytest.raises(KeyError, match="no step for member 'x'"):
+        step.eval_step("x")
+
+
+def test_check_step_accepts_a_step_over_several_models() -> None:
+    d, g = gan_models()
+    calls = gan_calls(4)
+
+    def reference(models: Any, batches: Any) -> dict[str, torch.Tensor]:
+        ref_d, ref_g, _ = hand_gan(models["d"], models["g"], batches)
+        return {
+            **{f"d.{k}": p for k, p in ref_d.named_parameters()},
+            **{f"g.{k}": p for k, p in ref_g.named_parameters()},
+        }
+
+    def factory() -> fasttorch.Models:
+        return gan_state(d, g)
+
+    d_step = fasttorch.model_step(d_loss, donate=False)
+    step = fasttorch.several({"d": d_step, "g": fasttorch.model_step(g_loss, donate=False)})
+    checks = ("pure", "dtype", "compiles", "no_host_sync", "reference")
+    errors = loop_error(d, g, calls)
+    errors.pop("loss")
+    atol = params_atol(errors, _tensors(factory()))  # rule 2
+    report = fasttorch.testing.check_step(
+        step, factory, calls, reference=reference, checks=checks, rtol=0, atol=atol
+    )
+    assert report == {c: "ok" for c in checks}
+
+
+def test_teacher_is_not_saved_and_comes_from_the_template(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+
+    def make() -> fasttorch.Models:
+        return fasttorch.Models.create(
+            student=fasttorch.TrainState.create(torch.nn.Linear(6, 5), optim.adam(LR)),
+            teacher=fasttorch.Frozen.create(torch.nn.Linear(6, 5)),
+        )
+
+    state = make()
+    step = fasttorch.several({"student": fasttorch.model_step(kd_loss)})
+    state, _ = step(state, (torch.randn(4, 6), torch.randint(0, 5, (4,))))
+    save_models(tmp_path, state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["student"]
+    template = make()
+    loaded, _ = load_models(tmp_path, latest_models(tmp_path), template)
+    assert loaded["teacher"] is template["teacher"]
+    trained = state["student"].params
+    fasttorch.testing.assert_states_close(loaded["student"].params, trained, **EXACT)
