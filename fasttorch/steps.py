@@ -350,6 +350,13 @@ def _check_width(
 def check_wrap(step: Any, transform: str) -> None:
     """Raise at wrap time if ``transform`` cannot wrap ``step``; see docs/composition.md."""
     if not isinstance(step, Step):
+        if callable(getattr(step, "map_steps", None)):  # fasttorch.several: a step per member
+            raise TypeError(
+                f"{transform} wraps one model's step, not a several-model step ({step!r}): "
+                f"apply it to each member's step before several(), e.g. several({{'d': "
+                f"{transform}(d_step, ...), 'g': {transform}(g_step, ...)}}). Only compiled "
+                "takes the whole (it compiles each member's step)"
+            )
         kind = getattr(step, "__name__", type(step).__name__)
         raise TypeError(
             f"{transform} wraps the phases of a step built by fasttorch.step(loss_fn); "

@@ -561,8 +561,15 @@ def test_wrap_time_errors() -> None:
         fasttorch.several({"g": bf16}, share_loss_scale=True)
     with pytest.raises(TypeError, match=r"models\)"):
         fasttorch.model_step(lambda apply, batch: apply(batch).sum())
-    with pytest.raises(TypeError, match="wraps the phases"):
-        fasttorch.with_amp(fasttorch.several({"d": d_step}), "bf16")  # type: ignore[arg-type]
+    # A transform over the whole says to wrap each member's step instead.
+    whole = fasttorch.several({"d": d_step})
+    for wrap in (
+        lambda s: fasttorch.with_amp(s, "bf16"),
+        lambda s: fasttorch.grad_accumulate(s, 2),
+        lambda s: fasttorch.clip_scaled(s, 1.0),
+    ):
+        with pytest.raises(TypeError, match=r"apply it to each member's step before several"):
+            wrap(whole)
     compiled = fasttorch.compiled(fasttorch.several({"d": d_step}), backend="aot_eager")
     with pytest.raises(ValueError, match="already applied"):
         fasttorch.compiled(compiled, backend="aot_eager")
