@@ -25,7 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fasttorch import _compat, _scope
-from fasttorch._reached import check_reached
+from fasttorch._reached import backward_leaves, check_reached
 from fasttorch._tree import constant
 from fasttorch.state import TrainState, is_sharded
 from fasttorch.substates import any_declares
@@ -217,18 +217,7 @@ def _backward_inputs(
 def _leaves_within(value: torch.Tensor, leaves: Any) -> bool:
     """Whether every leaf the backward of ``value`` accumulates into is in ``leaves``."""
     allowed = {id(t) for t in leaves}
-    seen: set[Any] = set()
-    stack = [value.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
-        if variable is not None and id(variable) not in allowed:
-            return False
-        stack.extend(fn for fn, _ in node.next_functions)
-    return True
+    return all(id(v) in allowed for v in backward_leaves(value))
 
 
 class ModuleTensors(dict[str, torch.Tensor]):

@@ -10,6 +10,7 @@ raises instead, from facts about the backward's graph (no tensor is read), and
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -77,8 +78,8 @@ def check_reached(
     seen.add((loss, unused))
 
 
-def _reached_leaf(value: torch.Tensor, leaves: dict[int, str]) -> str | None:
-    """The name of a leaf in ``leaves`` (by id) the backward of ``value`` reaches, if any."""
+def backward_leaves(value: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The leaves the backward of ``value`` accumulates into, walking its graph once."""
     seen: set[Any] = set()
     stack = [value.grad_fn]
     while stack:
@@ -87,7 +88,11 @@ def _reached_leaf(value: torch.Tensor, leaves: dict[int, str]) -> str | None:
             continue
         seen.add(node)
         variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
-        if variable is not None and id(variable) in leaves:
-            return leaves[id(variable)]
+        if variable is not None:
+            yield variable
         stack.extend(fn for fn, _ in node.next_functions)
-    return None
+
+
+def _reached_leaf(value: torch.Tensor, leaves: dict[int, str]) -> str | None:
+    """The name of a leaf in ``leaves`` (by id) the backward of ``value`` reaches, if any."""
+    return next((leaves[id(v)] for v in backward_leaves(value) if id(v) in leaves), None)
