@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
+import subprocess
+import sys
 import threading
 import warnings
 
@@ -249,6 +252,35 @@ def test_the_cpu_isa_probe_starts_once_and_only_where_inductor_will_want_it(monk
     assert len(options_mod._ISA_PROBE) == 1
     options_mod._ISA_PROBE[0].join(timeout=10)
     assert callers.count("fasttorch-cpu-isa-probe") == 1
+
+
+# A process that starts the real probe and lists the modules its thread imported.
+PROBE_CHILD = """
+import sys, threading
+from fasttorch.transforms import _inductor_options as options
+imported = []
+class Watch:
+    def find_spec(self, name, path=None, target=None):
+        if threading.current_thread().name == "fasttorch-cpu-isa-probe":
+            imported.append(name)
+sys.meta_path.insert(0, Watch())
+options.probe_cpu_isa_early({"backend": "inductor"})
+options._ISA_PROBE[0].join(timeout=300)
+assert not options._ISA_PROBE[0].is_alive()
+print(imported)
+"""
+
+
+def test_the_cpu_isa_probe_thread_imports_nothing(tmp_path):
+    """Its imports would race the caller's: setuptools' distutils shim edits
+    sys.meta_path while Python walks it for another thread's import, which then fails
+    ("No module named 'torch.distributed.tensor.experimental'" inside dynamo)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE_CHILD], env=env, capture_output=True, text=True, timeout=400
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
 
 
 def test_the_cpu_isa_probe_is_not_started_for_a_gpu_step_or_another_backend(monkeypatch):

@@ -80,6 +80,16 @@ def cpu_isa_probe() -> Callable[[], Any] | None:
         from torch._inductor import cpu_vec_isa
     except ImportError:
         return None
+    # The probe's thread must import nothing: it builds with torch.utils.cpp_extension,
+    # whose import loads setuptools, and setuptools' distutils shim adds and removes an
+    # entry of sys.meta_path. Python walks that list live on every import
+    # (importlib._bootstrap._find_spec), so a removal in the probe's thread while the
+    # caller's thread imports can skip the path finder there: "No module named
+    # 'torch.distributed.tensor.experimental'" from inside dynamo's tracing. What the
+    # probe imports is imported here, in the calling thread, first (a compile imports
+    # the same modules anyway).
+    for name in ("torch._inductor.codecache", "torch.utils.cpp_extension"):
+        importlib.import_module(name)
     probe = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
     return probe if callable(probe) else None
 
