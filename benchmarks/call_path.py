@@ -1,6 +1,7 @@
 """How far a reader follows the state through a composed step: files entered, climbs back.
 
     python -m benchmarks.call_path [--path]
+    python -m benchmarks.call_path --before REV --write docs/call_path.md
 
 Runs ``clip_scaled(grad_accumulate(with_amp(step, "bf16"), 4), 1.0)`` on a small MLP,
 eagerly and under ``compiled(..., backend="aot_eager")``, and records with
@@ -22,13 +23,20 @@ follows the state along.
 Under ``compiled`` the functions a graph inlines run as generated code, so the
 compiled path is what still runs in Python around the graphs. ``--path`` prints the
 sequence of visits. Counts, not times: the numbers are the same on every machine for
-one source tree.
+one source tree. ``--before REV`` also counts the package as it was at git revision
+``REV`` (its ``fasttorch/`` exported to a temporary directory, counted by this script
+in a second process), and ``--write`` puts both, side by side, in a markdown file.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -109,25 +117,122 @@ def trace(compile_it: bool, state_only: bool) -> tuple[set[str], set[tuple[str, 
     return files, climbs
 
 
+LABEL = "compiled(clip_scaled(grad_accumulate(with_amp(step))))"
+WHICH = {False: "all", True: "those the state passes through"}
+
+
+def counts() -> dict[str, dict[str, list[Any]]]:
+    """Files and climbs of both compositions, both ways of counting, by ``label|which``."""
+    out: dict[str, dict[str, list[Any]]] = {}
+    for compile_it in (False, True):
+        for state_only in (False, True):
+            label = LABEL if compile_it else LABEL.removeprefix("compiled(")[:-1]
+            files, climbs = trace(compile_it, state_only)
+            out[f"{label}|{WHICH[state_only]}"] = {
+                "files": sorted(files),
+                "climbs": [list(c) for c in sorted(climbs)],
+            }
+    return out
+
+
+def counts_at(rev: str) -> dict[str, dict[str, list[Any]]]:
+    """:func:`counts` for the package as it was at git revision ``rev``."""
+    repo = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(
+            ["git", "-C", str(repo), "archive", "--format=tar", rev, "fasttorch"],
+            check=True,
+            capture_output=True,
+        ).stdout
+        tar = Path(tmp) / "tree.tar"
+        tar.write_bytes(archive)
+        with tarfile.open(tar) as t:
+            t.extractall(tmp, filter="data")
+        # The script by its path, so that the old package (first on PYTHONPATH) is the
+        # one imported, not the checkout's.
+        done = subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "--json"],
+            env={**os.environ, "PYTHONPATH": tmp},
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def _revision(rev: str) -> str:
+    repo = Path(__file__).resolve().parent.parent
+    return subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--short", rev],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+
+
+def table(rows: dict[str, dict[str, dict[str, list[Any]]]]) -> list[str]:
+    """A markdown table: per tree and way of counting, files and climbs of both
+    compositions (eager, compiled)."""
+    out = [
+        "| tree | functions counted | files, eager | climbs back, eager "
+        "| files, compiled | climbs back, compiled |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    eager = LABEL.removeprefix("compiled(")[:-1]
+    for which in WHICH.values():
+        for tree, found in rows.items():
+            e, c = found[f"{eager}|{which}"], found[f"{LABEL}|{which}"]
+            out.append(
+                f"| {tree} | {which} | {len(e['files'])} | {len(e['climbs'])} "
+                f"| {len(c['files'])} | {len(c['climbs'])} |"
+            )
+    return out
+
+
+def paths(rows: dict[str, dict[str, dict[str, list[Any]]]]) -> list[str]:
+    """The files and climbs behind each count."""
+    out: list[str] = []
+    for tree, found in rows.items():
+        for key, v in found.items():
+            label, which = key.split("|")
+            out.append(f"\n`{label}`, {which}, {tree}:\n")
+            out.append(f"- files: {', '.join(v['files'])}")
+            out.extend(f"- climbs back: {a} -> {b}" for a, b in v["climbs"])
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--path", action="store_true", help="list the files and the climbs")
+    parser.add_argument("--json", action="store_true", help="print the counts as JSON")
+    parser.add_argument("--before", metavar="REV", help="also count git revision REV")
+    parser.add_argument("--write", metavar="FILE", help="write the markdown to FILE")
     args = parser.parse_args()
-    print("| composition | functions counted | fasttorch files entered | climbs back |")
-    print("| --- | --- | ---: | ---: |")
-    found = {}
-    for compile_it in (False, True):
-        for state_only in (False, True):
-            label = "compiled(clip_scaled(grad_accumulate(with_amp(step))))"
-            label = label if compile_it else label.removeprefix("compiled(")[:-1]
-            which = "those the state passes through" if state_only else "all"
-            files, climbs = found[label, which] = trace(compile_it, state_only)
-            print(f"| `{label}` | {which} | {len(files)} | {len(climbs)} |")
-    if args.path:
-        for (label, which), (files, climbs) in found.items():
-            print(f"\n{label} ({which}):\n  files: {', '.join(sorted(files))}")
-            for caller, callee in sorted(climbs):
-                print(f"  climbs back: {caller} -> {callee}")
+    if args.json:
+        print(json.dumps(counts()))
+        return
+    rows = {}
+    if args.before:
+        rows[f"before ({_revision(args.before)})"] = counts_at(args.before)
+    rows["this tree"] = counts()
+    lines = table(rows)
+    if args.path or args.write:
+        lines += paths(rows)
+    if args.write:
+        command = "python -m benchmarks.call_path" + (
+            f" --before {args.before}" if args.before else ""
+        )
+        head = [
+            "# Following the state through a composed step",
+            "",
+            f"<!-- Written by `{command} --write {args.write}`; do not edit by hand. -->",
+            "",
+            "Counted by `benchmarks/call_path.py` (its docstring says how). Counts, not",
+            "times: the same on every machine for one source tree.",
+            "",
+        ]
+        Path(args.write).write_text("\n".join(head + lines) + "\n")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""How the default gradient phase computes: the eager engine and the graph's paths.
+"""How the default phases compute: the gradients' four paths, the optimizer's update.
 
 :func:`gradients` is :func:`fasttorch.phases.grad_phase`'s work, on one of four paths:
 
@@ -13,24 +13,36 @@
 
 Each returns the gradients (none on the ``.grad`` path), the loss phase's
 :class:`~fasttorch.phases.Loss` and the names of the parameters it did not reach.
+
+The engine differentiates a function of a module's tensors (a :class:`Target`), as
+``torch.func.grad`` does: it never sees the train state, which the gradient phase
+closes over. :func:`apply_optimizer` is the update phase's work: the optimizer over
+the gradients, fused on a GPU, in place when donating eagerly, skipped where asked.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol, TypeAlias, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
 
 from fasttorch import _compat, _scope
+from fasttorch._module import is_sharded
 from fasttorch._reached import backward_leaves, check_reached
-from fasttorch._tree import constant
-from fasttorch.state import TrainState, is_sharded
-from fasttorch.substates import any_declares
+from fasttorch._tree import constant, reciprocal, scale_grads
+from fasttorch.optim._base import Optimizer, OptState, update_used
 
-__all__ = ["IntoGrad", "ModuleTensors", "gradients", "module_tensors"]
+__all__ = [
+    "IntoGrad",
+    "ModuleTensors",
+    "Target",
+    "apply_optimizer",
+    "gradients",
+    "module_tensors",
+]
 
 Batch: TypeAlias = Any
 Tensors: TypeAlias = dict[str, torch.Tensor]
@@ -50,48 +62,61 @@ class _Loss(Protocol):
 
 
 L = TypeVar("L", bound=_Loss)
-LossPhase: TypeAlias = Callable[[TrainState, Tensors, Tensors, Batch], L]
 Found: TypeAlias = tuple[Tensors, L, frozenset[str]]
 
 
-def gradients(loss: LossPhase[L], state: TrainState, batch: Batch, mult: Any) -> Found[L]:
-    """Gradients of ``loss.value * mult`` on the path that fits the call (see above)."""
+Run: TypeAlias = Callable[[Tensors, Tensors, Batch], L]
+
+
+class Target(NamedTuple):
+    """The tensors the gradient phase differentiates a loss over, and their module.
+
+    ``params`` and ``buffers`` are the state's, ``module`` the template they run in.
+    ``functional``: a sub-state asks for ``torch.func.grad`` (a population's members
+    run under ``torch.func.vmap``, where ``torch.autograd.grad`` cannot: it needs
+    ``requires_grad_()`` on batched tensors). ``key`` names the loss phase for the
+    reached-parameter check's once-only cache.
+    """
+
+    module: Any
+    params: Tensors
+    buffers: Tensors
+    functional: bool
+    key: Any
+
+
+def gradients(run: Run[L], target: Target, batch: Batch, mult: Any) -> Found[L]:
+    """Gradients of ``run(params, buffers, batch).value * mult`` over ``target``'s tensors, on
+    the path that fits the call (see above). ``run`` is the loss phase with the batch
+    and the train state closed over; ``batch`` is passed too, because a tensor of it
+    that requires grad changes the backward's inputs."""
     compiling = torch.compiler.is_compiling()
     into = None if compiling else _scope.current().into
-    if into is not None and is_sharded(state.module):  # FSDP2: a sharded window
-        return _grad_into_module(loss, state, _SHARDED, batch, mult, into)
-    direct = None if compiling else module_tensors(state)
+    if into is not None and is_sharded(target.module):  # FSDP2: a sharded window
+        return _grad_into_module(run, target, _SHARDED, batch, mult, into)
+    direct = None if compiling else module_tensors(target.module, target.params, target.buffers)
     if into is not None and direct is not None:
-        return _grad_into_module(loss, state, direct, batch, mult, into)
-    if (compiling and not _compat.AUTOGRAD_GRAD_IN_GRAPH) or _functional_grads(state):
-        return _grad_functional(loss, state, batch, mult)
+        return _grad_into_module(run, target, direct, batch, mult, into)
+    if (compiling and not _compat.AUTOGRAD_GRAD_IN_GRAPH) or target.functional:
+        return _grad_functional(run, target, batch, mult)
     params: Tensors = (
         direct
         if direct is not None
-        else {k: p.detach().requires_grad_() for k, p in state.params.items()}
+        else {k: p.detach().requires_grad_() for k, p in target.params.items()}
     )
     with torch.enable_grad():
-        out = loss(state, params, state.buffers, batch)
+        out = run(params, target.buffers, batch)
         found = torch.autograd.grad(out.value * mult, list(params.values()), allow_unused=True)
     # None marks a parameter the loss's graph does not reach: a fact about the graph,
     # known while it is traced, so the update skips it with no tensor read or branch.
     unused = frozenset(k for k, gi in zip(params, found) if gi is None)
     if direct is None and (unused or not compiling):
-        check_reached(out.value, state, unused, loss)
+        check_reached(out.value, target.module, target.params, unused, target.key)
     grads = [torch.zeros_like(p) if gi is None else gi for p, gi in zip(params.values(), found)]
     return dict(zip(params, grads)), out, unused
 
 
-def _functional_grads(state: TrainState) -> bool:
-    """Whether a sub-state asks for ``torch.func.grad`` (a record's ``functional_grads``).
-
-    A population's members run under ``torch.func.vmap``, where ``torch.autograd.grad``
-    cannot run (it needs ``requires_grad_()`` on batched tensors).
-    """
-    return any_declares(state.substates, "functional_grads")
-
-
-def _grad_functional(loss: LossPhase[L], state: TrainState, batch: Batch, mult: Any) -> Found[L]:
+def _grad_functional(run: Run[L], target: Target, batch: Batch, mult: Any) -> Found[L]:
     """``grad_phase`` inside a graph on torch 2.10 and 2.11: ``torch.func.grad``.
 
     Dynamo there refuses ``Tensor.requires_grad_()`` (the eager path's detached leaves,
@@ -106,7 +131,7 @@ def _grad_functional(loss: LossPhase[L], state: TrainState, batch: Batch, mult: 
     record: list[L] = []
 
     def value(params: Tensors, buffers: Tensors) -> tuple[torch.Tensor, Any]:
-        out = loss(state, params, buffers, batch)
+        out = run(params, buffers, batch)
         record.append(out)
         leaves, spec = pytree.tree_flatten(out.aux)
         is_t = [isinstance(x, torch.Tensor) for x in leaves]
@@ -115,7 +140,7 @@ def _grad_functional(loss: LossPhase[L], state: TrainState, batch: Batch, mult: 
         return out.value * mult, (out.value, out.weight, tensors)
 
     grads, (v, weight, tensors) = torch.func.grad(value, has_aux=True)(
-        dict(state.params), state.buffers
+        dict(target.params), target.buffers
     )
     spec, is_t, others = rest[0]
     it = iter(tensors)
@@ -146,8 +171,8 @@ class IntoGrad:
 
 
 def _grad_into_module(
-    loss: LossPhase[L],
-    state: TrainState,
+    run: Run[L],
+    target: Target,
     params: ModuleTensors,
     batch: Batch,
     mult: Any,
@@ -166,7 +191,7 @@ def _grad_into_module(
     factors are exactly 1 and this is the plain loop, operation for operation.
     """
     with torch.enable_grad():
-        out = loss(state, params, state.buffers, batch)
+        out = run(params, target.buffers, batch)
         v = out.value
         seed = (
             mult.to(v.dtype)
@@ -178,7 +203,7 @@ def _grad_into_module(
         if out.weight is not into.first:
             into.same = False
             seed = seed * (out.weight / into.first)
-        inputs = _backward_inputs(params, state.module, v, batch)
+        inputs = _backward_inputs(params, target.module, v, batch)
         torch.autograd.backward(v, grad_tensors=seed, inputs=inputs)
     return {}, out, frozenset()
 
@@ -239,8 +264,9 @@ _SHARDED.sharded = True
 _MODULE_PARAMS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
 
 
-def module_tensors(state: TrainState) -> ModuleTensors | None:
-    """The module's own parameters when the state's tensors are still the module's.
+def module_tensors(module: Any, params: Tensors, buffers: Tensors) -> ModuleTensors | None:
+    """The module's own parameters when a state's ``params`` and ``buffers`` are still
+    ``module``'s own tensors.
 
     A donated state shares storage with its module (``TrainState.create`` takes no
     copy and donating steps update in place). Then the module can run as it is, and
@@ -252,7 +278,6 @@ def module_tensors(state: TrainState) -> ModuleTensors | None:
     """
     if not _scope.current().in_place:
         return None
-    module = state.module
     cached = _MODULE_PARAMS.get(module)
     if cached is None:
         named: dict[str, torch.Tensor] = dict(module.named_parameters())
@@ -263,10 +288,10 @@ def module_tensors(state: TrainState) -> ModuleTensors | None:
     named, tensors, last = cached
     # The microbatches of one call share the state's dicts (records are immutable):
     # the answer for them is the one just found.
-    if last is not None and last[0] is state.params and last[1] is state.buffers:
+    if last is not None and last[0] is params and last[1] is buffers:
         return last[2]  # type: ignore[no-any-return]
     out: ModuleTensors | None = ModuleTensors()
-    for group in (state.params, state.buffers):
+    for group in (params, buffers):
         for k, t in group.items():
             m = tensors.get(k)
             if m is None or m.data_ptr() != t.data_ptr() or m.shape != t.shape:
@@ -275,7 +300,7 @@ def module_tensors(state: TrainState) -> ModuleTensors | None:
         if out is None:
             break
     if out is not None:
-        for k in state.params:
+        for k in params:
             p = named.get(k)
             if p is None or not p.requires_grad:
                 out = None
@@ -283,5 +308,71 @@ def module_tensors(state: TrainState) -> ModuleTensors | None:
             out[k] = p
     if out is not None:
         out.complete = sum(p.requires_grad for p in named.values()) == len(out)
-    cached[2] = (state.params, state.buffers, out)
+    cached[2] = (params, buffers, out)
     return out
+
+
+class _Grads(Protocol):
+    # What apply_optimizer reads of a fasttorch.phases.GradOut (a protocol: see _Loss).
+    @property
+    def grads(self) -> Tensors: ...
+    @property
+    def scale(self) -> torch.Tensor | None: ...
+    @property
+    def skip(self) -> torch.Tensor | None: ...
+    @property
+    def unused(self) -> frozenset[str]: ...
+    @property
+    def reached(self) -> Tensors | None: ...
+
+
+def apply_optimizer(
+    opt: Optimizer,
+    params: Tensors,
+    opt_state: OptState,
+    step: torch.Tensor,
+    g: _Grads,
+    *,
+    in_place: bool,
+) -> tuple[Tensors, OptState]:
+    """``opt``'s update of ``params`` by ``g``'s gradients: unscaled, and kept as they
+    were where ``g.skip``; ``in_place`` (eager, donating) may update the tensors given.
+
+    A fused kernel (fasttorch.optim's on a GPU) takes the loss scale and the skip flag
+    itself, as with GradScaler: no copy of the old state, no select per tensor.
+    Parameters the loss did not reach go through ``update_used``'s filter instead.
+    """
+    grads = g.grads
+    fused = (
+        getattr(opt, "fused_update", None)
+        if in_place and g.skip is not None and not g.unused
+        else None
+    )
+    if fused is not None:
+        done = fused(params, grads, opt_state, step, grad_scale=g.scale, found_inf=g.skip)
+        if done is not None:
+            return done  # type: ignore[no-any-return]
+    if g.scale is not None:
+        grads = scale_grads(grads, reciprocal(g.scale))
+    # In place when eager and donating (fresh tensors cost more than the arithmetic on
+    # CPU); not when a skip must keep the old values around.
+    new = update_used(
+        opt,
+        params,
+        grads,
+        opt_state,
+        step,
+        unused=g.unused,
+        inplace=g.skip is None and in_place,
+        reached=g.reached,
+    )
+    if g.skip is None:
+        return new
+    keep = g.skip
+    return pytree.tree_map(  # type: ignore[no-any-return]
+        # A tensor the update returned as it was (a hyperparameter) is kept, not
+        # copied: the fused GPU kernels know it by identity (no host read).
+        lambda old, new: new if new is old else torch.where(keep, old, new),
+        (params, opt_state),
+        new,
+    )

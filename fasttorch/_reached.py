@@ -15,8 +15,6 @@ from typing import Any
 
 import torch
 
-from fasttorch.state import TrainState
-
 __all__ = ["NO_PARAMETER_REACHED", "check_reached", "unreached_error"]
 
 NO_PARAMETER_REACHED = "the loss function reached none of the state's parameters"
@@ -46,7 +44,11 @@ _CHECKED: weakref.WeakKeyDictionary[Any, set[tuple[Any, frozenset[str]]]] = (
 
 
 def check_reached(
-    value: torch.Tensor, state: TrainState, unused: frozenset[str], loss: Any = None
+    value: torch.Tensor,
+    module: Any,
+    params: dict[str, torch.Tensor],
+    unused: frozenset[str],
+    loss: Any = None,
 ) -> None:
     """Raise if the loss trained the module's own tensors instead of the state's.
 
@@ -58,14 +60,14 @@ def check_reached(
     module's own parameters in the backward's graph (eager; once per module, loss
     phase and set of unused parameters).
     """
-    if len(unused) == len(state.params):
-        raise ValueError(f"{NO_PARAMETER_REACHED} ({len(state.params)}): {_USE_APPLY}")
+    if len(unused) == len(params):
+        raise ValueError(f"{NO_PARAMETER_REACHED} ({len(params)}): {_USE_APPLY}")
     if torch.compiler.is_compiling():
         return
-    seen = _CHECKED.setdefault(state.module, set())
+    seen = _CHECKED.setdefault(module, set())
     if (loss, unused) in seen:
         return
-    own = {id(p): n for n, p in state.module.named_parameters() if n in state.params}
+    own = {id(p): n for n, p in module.named_parameters() if n in params}
     hit = _reached_leaf(value, own)
     if hit is not None:
         raise ValueError(

@@ -14,14 +14,14 @@ at a time:
 between learned about them (the loss scale they still carry, their true norm, whether
 to skip the update); :func:`unscaled_norm` and :func:`mark_skip` are the two things
 every transform that inspects gradients does with it. This module is the whole contract
-a transform author needs; how the default gradient phase computes (the eager engine,
-the graph's paths) is :mod:`fasttorch._engine`'s, and the shared arithmetic
-(:func:`global_norm`, :func:`scale_grads`, ...) lives in :mod:`fasttorch._tree`, both
-re-exported here.
+a transform author needs; how the default phases compute (the gradients' paths, the
+optimizer's update) is :mod:`fasttorch._engine`'s, and the shared arithmetic
+(:func:`global_norm`, :func:`scale_grads`, ...), re-exported here, :mod:`fasttorch._tree`'s.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
@@ -33,19 +33,15 @@ from fasttorch import _checks, _engine, _scope, struct
 from fasttorch._buffers import BUFFERS_KEY as BUFFERS_KEY
 from fasttorch._buffers import SKIP_BUFFERS as SKIP_BUFFERS
 from fasttorch._buffers import restore_buffers
-from fasttorch._engine import IntoGrad as IntoGrad
-from fasttorch._engine import ModuleTensors as ModuleTensors
-from fasttorch._engine import module_tensors as module_tensors
-from fasttorch._reached import unreached_error as unreached_error
+from fasttorch._engine import ModuleTensors
 from fasttorch._tree import add_weighted_aux as add_weighted_aux
-from fasttorch._tree import batch_size, describe
-from fasttorch._tree import constant as constant
+from fasttorch._tree import batch_size, constant, describe
 from fasttorch._tree import divide_aux as divide_aux
 from fasttorch._tree import global_norm as global_norm
 from fasttorch._tree import reciprocal as reciprocal
 from fasttorch._tree import scale_grads as scale_grads
-from fasttorch.optim._base import update_used
 from fasttorch.state import TrainState, is_sharded, reshard
+from fasttorch.substates import any_declares
 
 __all__ = [
     "BUFFERS_KEY",
@@ -225,7 +221,10 @@ def grad_phase(loss: LossPhase, state: TrainState, batch: Batch, mult: Any) -> G
     that registers hooks on them (``sync_on_last``'s reducer) sees each gradient as the
     backward produces it.
     """
-    grads, out, unused = _engine.gradients(loss, state, batch, mult)
+
+    functional = any_declares(state.substates, "functional_grads")
+    target = _engine.Target(state.module, state.params, state.buffers, functional, loss)
+    grads, out, unused = _engine.gradients(functools.partial(loss, state), target, batch, mult)
     aux = pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out.aux)
     return GradOut(
         grads=grads,
@@ -245,59 +244,17 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
     transform wrapping this phase reads the final skip flag from the metrics whatever
     the order it was applied in.
     """
-    grads, norm = g.grads, unscaled_norm(g)
-    opt = state.optimizer
+    norm = unscaled_norm(g)
+    lr = state.optimizer.learning_rate(state.opt_state, state.step)
     eager_in_place = not torch.compiler.is_compiling() and _scope.current().in_place
-    # A fused kernel (fasttorch.optim's on a GPU) takes the loss scale and the skip flag
-    # itself, as with GradScaler: no copy of the old state, no select per tensor.
-    # Parameters the loss did not reach go through update_used's filter instead.
-    fused = (
-        getattr(opt, "fused_update", None)
-        if eager_in_place and g.skip is not None and not g.unused
-        else None
+    params, opt_state = _engine.apply_optimizer(
+        state.optimizer, state.params, state.opt_state, state.step, g, in_place=eager_in_place
     )
-    done = None
-    if fused is not None:
-        done = fused(
-            state.params, grads, state.opt_state, state.step, grad_scale=g.scale, found_inf=g.skip
-        )
-    if done is None and g.scale is not None:
-        grads = scale_grads(grads, reciprocal(g.scale))
-    lr = opt.learning_rate(state.opt_state, state.step)
-    # Eager and donating: update the state's tensors in place (fresh tensors cost more
-    # than the arithmetic on CPU). Not when a skip must keep the old values around.
-    inplace = g.skip is None and eager_in_place
-    if done is None:
-        params, opt_state = update_used(
-            opt,
-            state.params,
-            grads,
-            state.opt_state,
-            state.step,
-            unused=g.unused,
-            inplace=inplace,
-            reached=g.reached,
-        )
-    else:
-        params, opt_state = done
     buffers, substates = state.buffers, state.substates
     if g.skip is not None:
-        keep = g.skip
-        if done is None:
-            params, opt_state = pytree.tree_map(
-                # A tensor the update returned as it was (a hyperparameter) is kept,
-                # not copied: the fused GPU kernels know it by identity (no host read).
-                lambda old, new: new if new is old else torch.where(keep, old, new),
-                (state.params, state.opt_state),
-                (params, opt_state),
-            )
-        buffers, substates = restore_buffers(state, keep)
-    metrics: Metrics = {
-        "loss": g.value,
-        "grad_norm": norm,
-        # A copy: a constant lr is a state tensor, overwritten in place under donation.
-        "lr": lr.clone(),
-    }
+        buffers, substates = restore_buffers(state, g.skip)
+    # lr: a copy, as a constant lr is a state tensor, overwritten in place under donation.
+    metrics: Metrics = {"loss": g.value, "grad_norm": norm, "lr": lr.clone()}
     if g.aux is not None:
         metrics["aux"] = g.aux
     if g.skip is not None:

@@ -1,22 +1,25 @@
-"""``TrainState``: everything a training step reads and writes, as one immutable pytree."""
+"""``TrainState``: everything a training step reads and writes, as one immutable pytree.
+
+And its life: creation from a module, the check that its tensors fit that module, and
+donation (a step's results written into the input state's tensors, which then die).
+"""
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
-try:  # torch.distributed can be left out of a build (USE_DISTRIBUTED=0)
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    FSDPModule = DTensor = ()  # type: ignore[assignment,misc]
-
 from fasttorch import struct
+from fasttorch._module import evaluating as evaluating
+from fasttorch._module import is_sharded as is_sharded
+from fasttorch._module import local_tensor as local_tensor
+from fasttorch._module import record_modes
+from fasttorch._module import reshard as reshard
+from fasttorch._module import training_modes as training_modes
 from fasttorch._rng import initial_rng_state
 from fasttorch.substates import any_declares
 
@@ -27,9 +30,11 @@ __all__ = [
     "DonatedStateError",
     "TrainState",
     "check_template",
+    "commit",
     "default_seed",
     "evaluating",
     "is_sharded",
+    "kept_leaves",
     "local_tensor",
     "reshard",
     "training_modes",
@@ -79,7 +84,7 @@ class TrainState(struct.Record):
     module: nn.Module = struct.field(static=True)
     optimizer: Optimizer = struct.field(static=True)
 
-    # A donating step writes its results into these tensors (fasttorch.donation): the
+    # A donating step writes its results into these tensors (commit, below): the
     # same objects on every call, which compiled marks static for CUDA graphs.
     kept_across_calls: ClassVar[bool] = True
 
@@ -165,7 +170,7 @@ class TrainState(struct.Record):
         device = next(iter(params.values())).device
         if not module.training:
             module.train()
-        _MODES[module] = training_modes(module)
+        record_modes(module)
         return cls(
             params=params,
             buffers=buffers,
@@ -263,49 +268,6 @@ class TrainState(struct.Record):
         )
 
 
-def training_modes(module: nn.Module) -> tuple[bool, ...]:
-    """Each submodule's ``training`` flag, in ``module.modules()`` order."""
-    return tuple(m.training for m in module.modules())
-
-
-def set_modes(module: nn.Module, modes: tuple[bool, ...]) -> None:
-    """Give each submodule the flag ``training_modes`` read (``module.train()`` when the
-    module's structure changed since)."""
-    subs = list(module.modules())
-    if len(subs) != len(modes):
-        module.train()
-        return
-    for m, mode in zip(subs, modes):
-        m.training = mode
-
-
-def restore_training(module: nn.Module) -> None:
-    """Put a module left in evaluation mode back in the modes it was trained in.
-
-    An evaluation (``module.eval()``) switches every submodule off; what the user froze
-    (a BatchNorm in ``eval()``) was recorded by ``TrainState.create`` and stays frozen.
-    """
-    modes = _MODES.get(module)
-    if modes is None:
-        module.train()
-    else:
-        set_modes(module, modes)
-
-
-@contextlib.contextmanager
-def evaluating(module: nn.Module) -> Iterator[None]:
-    """Run the block with ``module`` in evaluation mode; each submodule's own mode after."""
-    modes = training_modes(module)
-    module.eval()
-    try:
-        yield
-    finally:
-        set_modes(module, modes)
-
-
-_MODES: weakref.WeakKeyDictionary[nn.Module, tuple[bool, ...]] = weakref.WeakKeyDictionary()
-
-
 def default_seed() -> int:
     """The seed of a state's generator when none is given: from ``torch.initial_seed()``.
 
@@ -368,39 +330,6 @@ def mark_template_ok(state: TrainState) -> None:
 _TEMPLATE_OK: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
 
 
-def is_sharded(module: nn.Module) -> bool:
-    """Whether ``module`` was sharded with FSDP2's ``fully_shard`` (its root or a child)."""
-    found = _SHARDED.get(module)
-    if found is None:
-        found = _SHARDED[module] = any(isinstance(m, FSDPModule) for m in module.modules())
-    return found
-
-
-def reshard(module: nn.Module) -> None:
-    """Free the unsharded parameters FSDP2 still holds for ``module`` (no-op otherwise).
-
-    After a forward without backward (evaluation, ``TrainState.apply``, sampling),
-    FSDP2 keeps the root's parameters unsharded, waiting for a backward that never
-    comes: the module's parameters are then plain tensors, not the state's shards.
-    Resharding puts the shards (the state's own storage) back and frees the rest.
-    """
-    if is_sharded(module):
-        for m in module.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
-
-
-_SHARDED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
-
-
-def local_tensor(p: torch.Tensor) -> torch.Tensor:
-    """``p`` detached; for a ``DTensor``, this rank's shard (the same storage)."""
-    if isinstance(p, DTensor):
-        with torch.no_grad():
-            return p.to_local().detach()
-    return p.detach()
-
-
 def _raise_donated(state: TrainState) -> NoReturn:
     d = object.__getattribute__(state, "__dict__")
     where = d[_DONATED]
@@ -449,3 +378,95 @@ def check_alive(state: Any, api: str) -> None:
         )
     if _DONATED in object.__getattribute__(state, "__dict__"):
         _raise_donated(state)
+
+
+# Donation, as ``jax.jit(donate_argnums=0)``: a donating step computes new values, then
+# commit copies them into the input state's own tensors and returns the new state over
+# them, so memory stays 1x; the input state is marked dead (mark_donated) and any later
+# use raises DonatedStateError.
+
+
+def commit(donate: bool, old: Any, new: Any) -> Any:
+    """With donation, write ``new``'s tensors into ``old``'s and return ``new`` over them.
+
+    Phases compute new values (in eager mode some update tensors they own in place);
+    this is where a donated state's tensors take the results. Under ``compiled`` the
+    copies fuse into the kernels that produce the values. The walk stops at subtrees
+    that are the same object, so an update that already happened in place costs nothing.
+    """
+    if not donate:
+        return new
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    out = _reuse(old, new, dst, src, torch.compiler.is_compiling())
+    if len(dst) > 0:
+        _copy_by_dtype(dst, src)
+    return out
+
+
+def _copy_by_dtype(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``_foreach_copy_`` once per dtype: on CUDA a list of mixed dtypes (a state's int64
+    counters beside its float32 tensors) is copied one launch per tensor."""
+    groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for d, s in zip(dst, src):
+        ds, ss = groups.setdefault(d.dtype, ([], []))
+        ds.append(d)
+        ss.append(s)
+    for ds, ss in groups.values():
+        torch._foreach_copy_(ds, ss)
+
+
+def _same(a: Any, b: Any, compiling: bool) -> bool:
+    """``a is b``, for tensors always; for containers only outside a graph.
+
+    Inside a compiled step, ``is`` between two dicts or records does not trace on every
+    torch release (2.11's dynamo refuses it). There containers count as distinct and the
+    walk goes on to their tensors, where ``is`` traces: the same copies result.
+    """
+    if isinstance(b, torch.Tensor) or not compiling:
+        return a is b
+    return False
+
+
+def _reuse(
+    old: Any, new: Any, dst: list[torch.Tensor], src: list[torch.Tensor], compiling: bool
+) -> Any:
+    """``new`` with its tensors swapped for ``old``'s where they differ (copies queued)."""
+    if _same(old, new, compiling):
+        return new
+    if isinstance(new, torch.Tensor):
+        if isinstance(old, torch.Tensor) and old.shape == new.shape and old.dtype == new.dtype:
+            dst.append(old)
+            src.append(new)
+            return old
+        return new
+    if isinstance(new, dict) and isinstance(old, dict):
+        return {
+            k: _reuse(old[k], v, dst, src, compiling) if k in old else v for k, v in new.items()
+        }
+    if isinstance(new, struct.Record) and type(old) is type(new):
+        changes = {}
+        for name in struct.data_fields(new):
+            a, b = getattr(old, name), getattr(new, name)
+            if not _same(a, b, compiling):
+                changes[name] = _reuse(a, b, dst, src, compiling)
+        return new.replace(**changes) if changes else new
+    if isinstance(new, (list, tuple)) and isinstance(old, (list, tuple)) and len(old) == len(new):
+        items = [_reuse(a, b, dst, src, compiling) for a, b in zip(old, new)]
+        return type(new)(items) if isinstance(new, list) else tuple(items)
+    return new
+
+
+def kept_leaves(args: Any) -> list[torch.Tensor]:
+    """The tensors of the records in ``args`` that a donating step keeps from call to call.
+
+    A record declares it with a class attribute ``kept_across_calls = True`` (the
+    train state, an across-calls accumulation window); :func:`commit` writes every
+    result into those tensors, so they are the same objects, at the same addresses, on
+    every call. ``compiled`` marks them static for CUDA graphs.
+    """
+    out: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, struct.Record) and getattr(type(a), "kept_across_calls", False):
+            out.extend(t for t in pytree.tree_leaves(a) if isinstance(t, torch.Tensor))
+    return out

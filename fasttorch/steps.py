@@ -32,6 +32,8 @@ import torch.utils._pytree as pytree
 
 from fasttorch import _checks, _scope
 from fasttorch._checks import warn_once
+from fasttorch._module import restore_training
+from fasttorch._reached import unreached_error
 from fasttorch._rng import scoped_rng
 from fasttorch.optim._base import check_matches
 from fasttorch.phases import (
@@ -48,7 +50,6 @@ from fasttorch.phases import (
     grad_phase,
     loss_phase,
     scale_grads,
-    unreached_error,
     update_phase,
 )
 from fasttorch.state import (
@@ -58,7 +59,6 @@ from fasttorch.state import (
     mark_donated,
     mark_failed,
     mark_template_ok,
-    restore_training,
 )
 from fasttorch.substates import SubState, merge
 from fasttorch.window import Window, apply_update, eager, kernel, memo

@@ -33,7 +33,7 @@ class attribute           default      meaning
                                        (``torch.autograd.grad`` cannot run under
                                        ``torch.func.vmap``)
 ``kept_across_calls``     ``False``    a donating step writes into the same tensors on
-                                       every call (``fasttorch.donation.kept_leaves``)
+                                       every call (``fasttorch.state.kept_leaves``)
 ========================  ===========  ==================================================
 
 Everything else a checkpoint keeps follows from the record's shape: every tensor leaf,

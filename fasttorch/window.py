@@ -40,7 +40,6 @@ from fasttorch._accum import (
 )
 from fasttorch._engine import IntoGrad, module_tensors
 from fasttorch._tree import add_weighted_aux, divide_aux
-from fasttorch.donation import commit
 from fasttorch.phases import (
     Batch,
     GradOut,
@@ -51,7 +50,7 @@ from fasttorch.phases import (
     UpdatePhase,
     skip_empty_window,
 )
-from fasttorch.state import TrainState, is_sharded
+from fasttorch.state import TrainState, commit, is_sharded
 
 __all__ = [
     "InModule",
@@ -220,7 +219,11 @@ def run(step: Step, state: TrainState, batch: Batch) -> Result:
         if w.n == 1:
             full = kernel(step, "full", lambda: functools.partial(_full, step))
             return full(state, batch)  # type: ignore[no-any-return]
-        params = module_tensors(state) if eager_call and step.jit is eager else None
+        params = (
+            module_tensors(state.module, state.params, state.buffers)
+            if eager_call and step.jit is eager
+            else None
+        )
         if params is not None:
             return _in_module(step, state, micro, InModule(params))
     return _in_kernels(step, state, micro)

@@ -25,9 +25,8 @@ from fasttorch import _checks, _compat
 from fasttorch._checks import warn_once
 from fasttorch._compile_cache import check_cache_dir, use_cache_dir
 from fasttorch._recompiles import DEFAULT_LIMIT, Recompiles
-from fasttorch.donation import kept_leaves
 from fasttorch.phases import Batch, Metrics
-from fasttorch.state import TrainState, is_sharded
+from fasttorch.state import TrainState, is_sharded, kept_leaves
 from fasttorch.steps import Runner, Step, check_wrap
 from fasttorch.transforms._cpu_gemm import CpuGemm
 from fasttorch.transforms._inductor_options import (
@@ -372,7 +371,7 @@ def compile_step_fn(
     docs/design.md, "Compile time".
 
     ``static_state``: before each call, mark the tensors of the arguments a donating
-    step keeps from call to call (``fasttorch.donation.kept_leaves``: the state, the
+    step keeps from call to call (``fasttorch.state.kept_leaves``: the state, the
     accumulation window) as static addresses, without a guard. CUDA graphs then accept
     the graph's writes into them instead of skipping it ("mutated inputs"), and read
     them in place instead of copying them in.

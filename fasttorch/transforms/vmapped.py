@@ -30,7 +30,6 @@ from torch.overrides import TorchFunctionMode
 
 from fasttorch import _checks, _compat, _scope
 from fasttorch._rng import draw_
-from fasttorch.donation import commit
 from fasttorch.phases import Batch, Metrics
 from fasttorch.population import (
     KEY,
@@ -39,7 +38,7 @@ from fasttorch.population import (
     check_optimizer,
     member_view,
 )
-from fasttorch.state import TrainState
+from fasttorch.state import TrainState, commit
 from fasttorch.steps import Step, check_wrap
 from fasttorch.transforms.grad_accumulate import AccumState
 
