@@ -152,7 +152,7 @@ def test_check_step_accepts_a_step_over_several_models() -> None:
 
     d_step = fasttorch.model_step(d_loss, donate=False)
     step = fasttorch.several({"d": d_step, "g": fasttorch.model_step(g_loss, donate=False)})
-    checks = ("pure", "dtype", "compiles", "no_host_sync", "reference")
+    checks = ("pure", "dtype", "composes", "compiles", "no_host_sync", "reference")
     errors = loop_error(d, g, calls)
     errors.pop("loss")
     atol = params_atol(errors, _tensors(factory()))  # rule 2
@@ -160,6 +160,28 @@ def test_check_step_accepts_a_step_over_several_models() -> None:
         step, factory, calls, reference=reference, checks=checks, rtol=0, atol=atol
     )
     assert report == {c: "ok" for c in checks}
+
+
+def test_check_step_composes_each_member_and_catches_a_broken_one() -> None:
+    """``composes`` wraps every member's step in each transform; a member whose loss
+    works on whole batches only (it divides by rows - 4) breaks under grad_accumulate."""
+    d, g = gan_models(batchnorm=False)
+    calls = gan_calls(2)
+
+    def whole_batches_only(apply: Any, batch: Any, models: Any) -> Any:
+        return d_loss(apply, batch, models) / (batch[0].shape[0] - 4)
+
+    def factory() -> fasttorch.Models:
+        return gan_state(d, g)
+
+    def check(d_fn: Any, g_step: fasttorch.Step) -> dict[str, str]:
+        step = fasttorch.several({"d": fasttorch.model_step(d_fn), "g": g_step})
+        return fasttorch.testing.check_step(step, factory, calls, checks=("composes",))
+
+    g_ema = fasttorch.ema(fasttorch.model_step(g_loss), 0.5)  # applied: wrapped once
+    assert check(d_loss, g_ema) == {"composes": "ok"}
+    with pytest.raises(AssertionError, match=r"composes.*grad_accumulate\(step of member 'd'\)"):
+        check(whole_batches_only, fasttorch.model_step(g_loss))
 
 
 def test_teacher_is_not_saved_and_comes_from_the_template(tmp_path: Any) -> None:
