@@ -635,6 +635,56 @@ def test_one_model_two_optimizers_the_second_every_3_steps(compile: bool) -> Non
         assert sum(counters["recompiles"].values()) == 0 and not counters["graph_break"]
 
 
+def _counting_backend() -> tuple[Any, list[torch.fx.GraphModule], list[torch.fx.GraphModule]]:
+    """aot_eager that records each forward and backward graph AOTAutograd compiles."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    forward: list[torch.fx.GraphModule] = []
+    backward: list[torch.fx.GraphModule] = []
+
+    def recorder(into: list[torch.fx.GraphModule]) -> Any:
+        def record(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
+            into.append(gm)
+            return make_boxed_func(gm.forward)
+
+        return record
+
+    backend = aot_autograd(
+        fw_compiler=recorder(forward),
+        bw_compiler=recorder(backward),
+        keep_inference_input_mutations=True,
+    )
+    return backend, forward, backward
+
+
+@pytest.mark.parametrize(
+    ("n", "precision", "clip", "per_call"),
+    [(1, "fp32", None, [2] * 6), (2, "fp16", 1.0, [2] + [4] * 5)],
+    ids=["one_call_per_update", "guides_loop_accumulating"],
+)
+def test_compiled_gan_graph_count(
+    n: int, precision: str, clip: float | None, per_call: list[int]
+) -> None:
+    """compiled(several(...)) compiles each member's step on its own: one graph per
+    member without accumulation (the whole step, backward inside); with accumulation
+    across calls, two per member (the microbatch, compiled on the first call, and the
+    window's update, on the window's last). No backward graph, no recompile over three
+    windows."""
+    backend, forward, backward = _counting_backend()
+    d, g = gan_models(batchnorm=False)
+    state = gan_state(d, g)
+    fast = fasttorch.compiled(gan_step(n=n, precision=precision, clip=clip), backend=backend)
+    counts = []
+    for b in gan_calls(6):
+        state, _ = fast(state, b)
+        counts.append(len(forward))
+    assert counts == per_call
+    assert not backward  # the gradient is computed inside each graph
+    assert sum(counters["recompiles"].values()) == 0 and not counters["graph_break"]
+    assert int(state["g"].step) == 6 // n
+
+
 # --------------------------------------------------------------------------- errors
 
 
