@@ -597,6 +597,27 @@ def test_groups_glob_selectors_compiled_equal_eager_and_torch() -> None:
         torch.testing.assert_close(p, eager.params[n], **EXACT, msg=lambda m, n=n: f"{n}: {m}")
 
 
+def test_groups_state_without_names_runs_glob_selectors_in_the_compiled_step() -> None:
+    """A plain OptState (built by hand, not by Groups.init) names no groups: the step
+    runs the selectors itself, and the globs, translated to regular expressions once,
+    trace under compile (fnmatch does not)."""
+    torch.manual_seed(0)
+    model = LayerNormNet()
+    data = batches(STEPS, 16)
+    opt = optim.groups(optim.adamw(LR, weight_decay=0.1), GLOB_RULES)
+
+    def unnamed() -> fasttorch.TrainState:
+        state = fasttorch.TrainState.create(copy.deepcopy(model), opt)
+        o = state.opt_state
+        return state.replace(opt_state=optim.OptState(count=o.count, hyper=o.hyper, slots=o.slots))
+
+    assert type(unnamed().opt_state) is optim.OptState
+    named = _run(fasttorch.TrainState.create(copy.deepcopy(model), opt), fasttorch.step(mse), data)
+    fast = _run(unnamed(), fasttorch.compiled(fasttorch.step(mse), backend="aot_eager"), data)
+    for n, p in fast.params.items():
+        torch.testing.assert_close(p, named.params[n], **EXACT, msg=lambda m, n=n: f"{n}: {m}")
+
+
 def test_groups_errors() -> None:
     params = {"a.weight": torch.ones(2, 2), "a.bias": torch.ones(2)}
     with pytest.raises(ValueError, match="matches no parameter"):

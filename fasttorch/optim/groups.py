@@ -8,7 +8,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
-import torch
 from torch import Tensor
 
 from fasttorch import struct
@@ -93,13 +92,24 @@ class Groups:
 
     selectors: tuple[Selector, ...]
     optimizers: tuple[Optimizer, ...]
+    # The globs as anchored regular expressions, translated once: the selectors that a
+    # step must run itself (a state that does not name the groups, a group of groups)
+    # then trace under compile, which fnmatch does not.
+    _patterns: tuple[Selector, ...] = attrs.field(init=False, eq=False, repr=False)
+
+    @_patterns.default
+    def _translate(self) -> tuple[Selector, ...]:
+        return tuple(
+            re.compile("^" + fnmatch.translate(s)) if isinstance(s, str) else s
+            for s in self.selectors
+        )
 
     def assign(self, params: Mapping[str, Tensor]) -> dict[str, int]:
         """Each parameter's optimizer index: the first matching rule's, else 0."""
         out = {}
         for name, p in params.items():
             out[name] = next(
-                (i + 1 for i, s in enumerate(self.selectors) if _matches(s, name, p)), 0
+                (i + 1 for i, s in enumerate(self._patterns) if _matches(s, name, p)), 0
             )
         return out
 
@@ -108,18 +118,10 @@ class Groups:
     ) -> list[list[str]]:
         """Each optimizer's parameter names: as ``opt_state`` names them when it names
         every one of ``params`` (a subset when unreached ones are skipped), else chosen
-        by the selectors now (a state built by hand, eagerly)."""
+        by the selectors now (a state built by hand, a group of groups)."""
         chosen = opt_state.names if isinstance(opt_state, GroupsState) else ()
         if chosen and {n for names in chosen for n in names}.issuperset(params):
             return [[n for n in names if n in params] for names in chosen]
-        if torch.compiler.is_compiling() and any(isinstance(s, str) for s in self.selectors):
-            raise TypeError(
-                "groups: a compiled step got an optimizer state that does not name each "
-                f"group's parameters (a {type(opt_state).__name__}, not the GroupsState "
-                "Groups.init returns), and a glob selector cannot run in the compiled "
-                "graph. Build the state with TrainState.create(model, opt) or "
-                "opt.init(params)"
-            )
         where = self.assign(params)
         return [[n for n in params if where[n] == i] for i in range(len(self.optimizers))]
 
