@@ -9,7 +9,10 @@
 * ``dtype``: every state leaf keeps its dtype, shape and device; metrics are tensors;
 * ``composes``: ``with_amp(.., "bf16")``, ``grad_accumulate(.., 2)``,
   ``clip_scaled(.., 1.0)`` and ``ema(.., 0.9)`` still wrap it and run (the ones
-  not applied yet; a ``Step`` only);
+  not applied yet; a ``Step``). For a step over several models
+  (:func:`fasttorch.several`) each wraps every member's step: every trained member
+  then takes as many updates as under the step itself, with finite parameters, and
+  ``ema`` leaves the training unchanged bit for bit;
 * ``compiles``: ``compiled(step, backend=compiled_backend)`` runs every batch with no
   graph break and no recompile, and agrees with the eager step;
 * ``no_host_sync``: ``Tensor.item``, ``__bool__`` and ``tolist`` raise while the step
@@ -58,6 +61,8 @@ from torch import nn
 
 from fasttorch import _compat
 from fasttorch._cudagraphs import CudagraphReport, check_cudagraphs
+from fasttorch.models import Models
+from fasttorch.several import Several
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, eager
 from fasttorch.transforms.profiled import Profiled
@@ -246,6 +251,8 @@ def _compositions() -> list[tuple[str, Callable[[Step], Step]]]:
 
 def _check_composes(c: _Ctx) -> str:
     s = c.step
+    if isinstance(s, Several):
+        return _check_composes_members(c, s)
     if not isinstance(s, Step):
         return "skipped: not a fasttorch.Step (only compiled and profiled wrap a callable)"
     if not s.is_eager:
@@ -260,6 +267,44 @@ def _check_composes(c: _Ctx) -> str:
         assert "loss" in metrics, f"{name}(step): no 'loss' in the metrics"
         done.append(name)
     return "ok" if done else "skipped: every composable transform is already applied"
+
+
+def _check_composes_members(c: _Ctx, s: Several) -> str:
+    """Each transform applied to every member's step (how transforms compose over a step
+    over several models): it runs, every trained member takes as many updates as under
+    the step itself, with finite parameters and a loss, and ``ema`` leaves the training
+    as it was, bit for bit (the average only reads the parameters)."""
+    if not all(m.is_eager for _, m in s.steps):
+        return "skipped: compiled is outermost; nothing wraps it"
+    plain, _ = _run(s, c.factory(), c.batches[:2])
+    assert isinstance(plain, Models)
+    done = []
+    for name, wrap in _compositions():
+        if all(name in m.transforms for _, m in s.steps):
+            continue
+        wrapped = s.map_steps(_unless_applied(name, wrap))
+        state, metrics = _run(wrapped, c.factory(), c.batches[:2])
+        assert isinstance(state, Models)
+        member: str
+        for member, m in state.members.items():
+            if not isinstance(m, TrainState):
+                continue
+            what = f"{name}(step of member {member!r})"
+            for k, v in _leaves(m.params).items():
+                assert bool(torch.isfinite(v).all()), f"{what}: params{k} is not finite"
+            assert "loss" in metrics[member], f"{what}: no 'loss' in its metrics"
+            took, want = int(m.step), int(plain.members[member].step)  # type: ignore[union-attr]
+            assert took == want, f"{what}: {took} updates over 2 calls, the step {want}"
+        if name == "ema":
+            assert_states_close(
+                plain.params, state.params, rtol=0, atol=0, what="ema(each member) vs the step"
+            )
+        done.append(name)
+    return "ok" if done else "skipped: every composable transform is already applied"
+
+
+def _unless_applied(name: str, wrap: Callable[[Step], Step]) -> Callable[[Step], Step]:
+    return lambda m: m if name in m.transforms else wrap(m)
 
 
 _PROFILED_SKIP = "skipped: profiled(step) cannot be compiled; check profiled(compiled(step))"

@@ -146,7 +146,8 @@ def check(rank: int, precision: str, compile: bool, save_to: str | None = None) 
 def run(rank: int, world: int, port: int, out_dir: str) -> None:
     join(rank, world, port, "cpu")
     results = {}
-    for precision, compile in (("fp32", False), ("fp32", True), ("fp16", False), ("bf16", False)):
+    runs = (("fp32", False), ("fp32", True), ("fp16", False), ("fp16", True), ("bf16", False))
+    for precision, compile in runs:
         name = f"{precision}_{'compiled' if compile else 'eager'}"
         save_to = os.path.join(out_dir, "ckpt") if name == "fp32_eager" else None
         try:

@@ -15,6 +15,7 @@ optimizer, model and data; with a half-precision forward, plus rule 4's
 from __future__ import annotations
 
 import copy
+import fnmatch
 import inspect
 import re
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 from reference import LayerNormNet, assert_params_close, batches, mse, reference_run
-from tolerance import fp32_reference_error, params_atol
+from tolerance import EXACT, fp32_reference_error, params_atol
 from torch import nn
 
 import fasttorch
@@ -540,6 +541,81 @@ def test_groups_with_another_optimizer_muon_and_adamw() -> None:
     state = fasttorch.TrainState.create(copy.deepcopy(model), opt)
     state = _run(state, fasttorch.step(mse), data)
     _assert_equal(state, ref)
+
+
+GLOB_RULES: list[tuple[optim.Selector, dict[str, Any]]] = [
+    ("*.bias", {"weight_decay": 0.0}),
+    ("norm.*", {"weight_decay": 0.0}),
+    ("hidden.*", {"lr": 0.002}),
+]
+
+
+def _glob_groups(named: Any, lr: float) -> list[dict[str, Any]]:
+    """GLOB_RULES in torch's param_groups form (first rule that matches)."""
+    where = {
+        n: next((i for i, (g, _) in enumerate(GLOB_RULES) if fnmatch.fnmatchcase(n, g)), -1)
+        for n, _ in named
+    }
+    rest = {"params": [p for n, p in named if where[n] == -1]}
+    groups = [
+        {"params": [p for n, p in named if where[n] == i], **o}
+        for i, (_, o) in enumerate(GLOB_RULES)
+    ]
+    groups[-1]["lr"] = lr  # float32's 0.002, as the state holds it
+    return [rest, *groups]
+
+
+def test_groups_glob_selectors_compiled_equal_eager_and_torch() -> None:
+    """Glob selectors in a compiled step: chosen when the state is created, so the
+    graph reads names (fnmatch itself does not trace)."""
+    torch.manual_seed(0)
+    model = LayerNormNet()
+    data = batches(STEPS, 16)
+
+    def make_ref(named: Any) -> Any:
+        return torch.optim.AdamW(_glob_groups(named, HIDDEN_LR), lr=LR32, weight_decay=0.1)
+
+    ref = _plain_loop(model, data, make_ref)
+    opt = optim.groups(optim.adamw(LR, weight_decay=0.1), GLOB_RULES)
+    eager = fasttorch.TrainState.create(copy.deepcopy(model), opt)
+    assert isinstance(eager.opt_state, optim.GroupsState)
+    assert eager.opt_state.names == (
+        ("inp.weight", "out.weight"),
+        ("inp.bias", "norm.bias", "hidden.bias", "out.bias"),
+        ("norm.weight",),
+        ("hidden.weight",),
+    )
+    fast = fasttorch.TrainState.create(copy.deepcopy(model), opt)
+    eager = _run(eager, fasttorch.step(mse), data)
+    fast = _run(fast, fasttorch.compiled(fasttorch.step(mse), backend="aot_eager"), data)
+    assert fast.opt_state.names == eager.opt_state.names  # kept through the steps
+    errors = _loop_errors(model, data, make_ref)
+    _assert_close(eager, ref, "fp32", errors=errors)
+    _assert_close(fast, ref, "fp32", errors=errors)
+    # The same operations in the same order: eager and compiled agree bit for bit.
+    for n, p in fast.params.items():
+        torch.testing.assert_close(p, eager.params[n], **EXACT, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def test_groups_state_without_names_runs_glob_selectors_in_the_compiled_step() -> None:
+    """A plain OptState (built by hand, not by Groups.init) names no groups: the step
+    runs the selectors itself, and the globs, translated to regular expressions once,
+    trace under compile (fnmatch does not)."""
+    torch.manual_seed(0)
+    model = LayerNormNet()
+    data = batches(STEPS, 16)
+    opt = optim.groups(optim.adamw(LR, weight_decay=0.1), GLOB_RULES)
+
+    def unnamed() -> fasttorch.TrainState:
+        state = fasttorch.TrainState.create(copy.deepcopy(model), opt)
+        o = state.opt_state
+        return state.replace(opt_state=optim.OptState(count=o.count, hyper=o.hyper, slots=o.slots))
+
+    assert type(unnamed().opt_state) is optim.OptState
+    named = _run(fasttorch.TrainState.create(copy.deepcopy(model), opt), fasttorch.step(mse), data)
+    fast = _run(unnamed(), fasttorch.compiled(fasttorch.step(mse), backend="aot_eager"), data)
+    for n, p in fast.params.items():
+        torch.testing.assert_close(p, named.params[n], **EXACT, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_groups_errors() -> None:

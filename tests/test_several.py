@@ -32,8 +32,10 @@ def gan_models(seed: int = 0, *, batchnorm: bool = True) -> tuple[nn.Module, nn.
 
     No bias before a BatchNorm, and a Tanh between G's output and D's BatchNorm: a
     parameter whose true gradient is (nearly) zero turns rounding noise into lr-sized
-    Adam steps. ``batchnorm=False`` for half precision under ``compiled``: the graphs
-    decompose a bf16 BatchNorm into other kernels than eager's (fp32 statistics there).
+    Adam steps. ``batchnorm=False`` for half precision under ``compiled`` over more than
+    one window: a half-precision rounding that flips between the graphs and eager
+    (rule 4) grows through BatchNorm's batch statistics in the next window
+    (test_half_precision_gan_with_batchnorm_compiled checks one window with them).
     """
     torch.manual_seed(seed)
 
@@ -387,19 +389,23 @@ def kd_hand(
     precision: str = "fp32",
     dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
-    """The hand loop: teacher.eval() and requires_grad_(False), autocast, window of 2."""
+    """The hand loop: teacher.eval() and requires_grad_(False), autocast, window of 2
+    (fp16: a GradScaler)."""
     t_ref = copy.deepcopy(teacher).to(dtype).eval().requires_grad_(False)
     s_ref = copy.deepcopy(student).to(dtype)
     opt = torch.optim.Adam(s_ref.parameters(), lr=LR)
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+    half = DTYPES.get(precision, torch.float32)
     for i, (x, y) in enumerate(calls):
         x = x.to(dtype)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with torch.autocast("cpu", dtype=half, enabled=precision != "fp32"):
             with torch.no_grad():
                 tl = t_ref(x)
             loss = kd_objective(s_ref(x), tl, y)
-        (loss / 2).backward()
+        scaler.scale(loss / 2).backward()
         if i % 2 == 1:
-            opt.step()
+            scaler.step(opt)  # opt.step() when disabled
+            scaler.update()
             opt.zero_grad(set_to_none=True)
     return s_ref
 
@@ -461,6 +467,94 @@ def test_distillation_from_a_frozen_teacher(compile: bool) -> None:
     atol = params_atol(errors, ours.params, precision="bf16", steps=2, lr=LR)
     for k, p in s_ref.named_parameters():
         torch.testing.assert_close(ours.params[k], p.detach(), rtol=0, atol=atol)
+
+
+def _kd_calls(k: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(4)
+    return [
+        (torch.randn(8, 6, generator=gen), torch.randint(0, 5, (8,), generator=gen))
+        for _ in range(k)
+    ]
+
+
+def _states_and_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _assert_member_matches(member: Any, ref: nn.Module, atol: float) -> None:
+    """Parameters and buffers (BatchNorm's running statistics and batch count)."""
+    ours = {**member.params, **member.buffers}
+    for k, v in _states_and_buffers(ref).items():
+        bound = atol if v.is_floating_point() else 0.0
+        torch.testing.assert_close(ours[k], v, rtol=0, atol=bound, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_student_with_batchnorm_compiled(precision: str) -> None:
+    """A trained member with BatchNorm, its statistics updated by its own step only, in
+    bf16 and fp16 (a GradScaler) under compiled: parameters and running statistics as
+    the hand loop's. On every supported torch (no other model's BatchNorm is updated)."""
+    torch.manual_seed(3)
+    teacher = Teacher()
+    teacher.train()(torch.randn(32, 6))
+    student = nn.Sequential(
+        nn.Linear(6, 12, bias=False), nn.BatchNorm1d(12), nn.Tanh(), nn.Linear(12, 5)
+    )
+    calls = _kd_calls(4)
+    s_ref = kd_hand(teacher, student, calls, precision=precision)
+    state = fasttorch.Models.create(
+        student=fasttorch.TrainState.create(copy.deepcopy(student), optim.adam(LR)),
+        teacher=fasttorch.Frozen.create(copy.deepcopy(teacher)),
+    )
+    s = fasttorch.with_amp(fasttorch.model_step(kd_loss), precision)
+    s = fasttorch.grad_accumulate(s, 2, across_calls=True)
+    step = fasttorch.compiled(fasttorch.several({"student": s}), backend="aot_eager")
+    for b in calls:
+        state, metrics = step(state, b)
+    assert ("loss_scale" in metrics["student"]) == (precision == "fp16")
+    assert sum(counters["recompiles"].values()) == 0 and not counters["graph_break"]
+    ours = state["student"]
+    assert int(ours.buffers["1.num_batches_tracked"]) == 4  # one forward per call
+    s32 = _states_and_buffers(kd_hand(teacher, student, calls))
+    s64 = _states_and_buffers(kd_hand(teacher, student, calls, dtype=torch.float64))
+    errors = {
+        k: float((v.double() - s64[k]).abs().max()) for k, v in s32.items() if v.is_floating_point()
+    }
+    # Rule 4 over the two updates, on rule 2's error of the fp32 loop (buffers included).
+    atol = params_atol(errors, {**ours.params, **ours.buffers}, precision=precision, steps=2, lr=LR)
+    _assert_member_matches(ours, s_ref, atol)
+
+
+@pytest.mark.skipif(
+    not _compat.AUTOGRAD_GRAD_IN_GRAPH,
+    reason="before torch 2.12 a compiled member does not update the other model's "
+    "BatchNorm statistics (it warns: test_batchnorm_of_the_other_model_under_compiled)",
+)
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_gan_with_batchnorm_compiled(precision: str) -> None:
+    """The guide's GAN, BatchNorm in both models, bf16 and fp16 (a GradScaler each) under
+    compiled: one window of two calls, parameters and running statistics as the hand
+    loop's. One window: the update a rounding flip moves by rule 4's ``lr * u`` then
+    changes the next window's BatchNorm batch statistics (8 samples), and rule 4 bounds
+    one update's flips, not their growth through a later window's normalization."""
+    d, g = gan_models(batchnorm=True)
+    calls = gan_calls(2)
+    ref_d, ref_g, _ = hand_gan(d, g, calls, n=2, precision=precision)
+    state = gan_state(d, g)
+    step = gan_step(n=2, precision=precision, compile=True)
+    for b in calls:
+        state, _ = step(state, b)
+    assert sum(counters["recompiles"].values()) == 0 and not counters["graph_break"]
+    # D's BatchNorm saw three forwards a call (real and fake in its loss, G's loss
+    # through it), G's two (D's loss reads G(z), then its own).
+    assert int(state["d"].buffers["3.num_batches_tracked"]) == 3 * 2
+    assert int(state["g"].buffers["1.num_batches_tracked"]) == 2 * 2
+    errors = loop_error(d, g, calls, n=2)
+    errors.pop("loss")
+    atol = params_atol(
+        errors, _tensors(state), precision=precision, steps=1, lr=LR, half_roundings=2
+    )
+    assert_matches(state, ref_d, ref_g, atol)  # parameters and buffers
 
 
 # --------------------------------------------------------------------------- two optimizers
@@ -539,6 +633,56 @@ def test_one_model_two_optimizers_the_second_every_3_steps(compile: bool) -> Non
         torch.testing.assert_close(state.params[k], p.detach(), rtol=0, atol=atol)
     if compile:
         assert sum(counters["recompiles"].values()) == 0 and not counters["graph_break"]
+
+
+def _counting_backend() -> tuple[Any, list[torch.fx.GraphModule], list[torch.fx.GraphModule]]:
+    """aot_eager that records each forward and backward graph AOTAutograd compiles."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    forward: list[torch.fx.GraphModule] = []
+    backward: list[torch.fx.GraphModule] = []
+
+    def recorder(into: list[torch.fx.GraphModule]) -> Any:
+        def record(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
+            into.append(gm)
+            return make_boxed_func(gm.forward)
+
+        return record
+
+    backend = aot_autograd(
+        fw_compiler=recorder(forward),
+        bw_compiler=recorder(backward),
+        keep_inference_input_mutations=True,
+    )
+    return backend, forward, backward
+
+
+@pytest.mark.parametrize(
+    ("n", "precision", "clip", "per_call"),
+    [(1, "fp32", None, [2] * 6), (2, "fp16", 1.0, [2] + [4] * 5)],
+    ids=["one_call_per_update", "guides_loop_accumulating"],
+)
+def test_compiled_gan_graph_count(
+    n: int, precision: str, clip: float | None, per_call: list[int]
+) -> None:
+    """compiled(several(...)) compiles each member's step on its own: one graph per
+    member without accumulation (the whole step, backward inside); with accumulation
+    across calls, two per member (the microbatch, compiled on the first call, and the
+    window's update, on the window's last). No backward graph, no recompile over three
+    windows."""
+    backend, forward, backward = _counting_backend()
+    d, g = gan_models(batchnorm=False)
+    state = gan_state(d, g)
+    fast = fasttorch.compiled(gan_step(n=n, precision=precision, clip=clip), backend=backend)
+    counts = []
+    for b in gan_calls(6):
+        state, _ = fast(state, b)
+        counts.append(len(forward))
+    assert counts == per_call
+    assert not backward  # the gradient is computed inside each graph
+    assert sum(counters["recompiles"].values()) == 0 and not counters["graph_break"]
+    assert int(state["g"].step) == 6 // n
 
 
 # --------------------------------------------------------------------------- errors

@@ -59,6 +59,54 @@ def test_resume_mid_window_is_bit_exact(tmp_path: Any) -> None:
         fasttorch.testing.assert_states_close(a, b_, **EXACT, what=f"member {tag}")
 
 
+def test_plain_save_load_and_resume_take_a_models_state(tmp_path: Any) -> None:
+    """checkpoint.save / load / resume on a Models state, as save_models / load_models:
+    resumed mid-window, bit for bit."""
+    d, g = gan_models()
+    calls = gan_calls(5)
+    step = _step()
+    straight = gan_state(d, g)
+    for b in calls:
+        straight, _ = step(straight, b)
+
+    state = gan_state(d, g)
+    for b in calls[:3]:
+        state, _ = step(state, b)
+    path = fasttorch.checkpoint.save(tmp_path, state, data={"call": 3})
+    assert path == tmp_path / "step_000000001_micro1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d", "g"]  # one per member
+    assert latest_models(tmp_path) == path.name
+    del state
+    loaded, data = fasttorch.checkpoint.load(path, step.init(gan_state(*gan_models(seed=9))))
+    fresh = step.init(gan_state(*gan_models(seed=9)))
+    resumed, data_r = fasttorch.checkpoint.resume(tmp_path, fresh, data={"call": 0})
+    assert data == data_r == {"call": 3}
+    for b in calls[3:]:
+        loaded, _ = step(loaded, b)
+        resumed, _ = step(resumed, b)
+    for tag in ("d", "g"):
+        for got in (loaded, resumed):
+            fasttorch.testing.assert_states_close(straight[tag], got[tag], **EXACT, what=tag)
+    empty = step.init(gan_state(d, g))
+    assert fasttorch.checkpoint.resume(tmp_path / "none", empty, data=0) == (empty, 0)
+
+
+def test_checkpoint_entry_points_say_what_a_models_state_needs(tmp_path: Any) -> None:
+    state = gan_state(*gan_models())
+    with pytest.raises(TypeError, match=r"async_save takes one model's TrainState.*\['d', 'g'\]"):
+        fasttorch.checkpoint.async_save(tmp_path, state)
+    with pytest.raises(TypeError, match="export one member: export_safetensors"):
+        fasttorch.checkpoint.export_safetensors(state, tmp_path / "m.safetensors")
+    with pytest.raises(TypeError, match="TrainState or a fasttorch.Models state as its state"):
+        fasttorch.checkpoint.save(tmp_path, {"d": state["d"]})
+    path = fasttorch.checkpoint.save(tmp_path, state)
+    with pytest.raises(TypeError, match="as its template, got dict"):
+        fasttorch.checkpoint.load(path, {"d": state["d"]})
+    with pytest.raises(TypeError, match="as its template, got int"):
+        fasttorch.checkpoint.resume(tmp_path, 3)
+    assert not (tmp_path / "m.safetensors").exists()
+
+
 def test_an_interrupted_save_resumes_from_the_last_name_every_member_has(tmp_path: Any) -> None:
     d, g = gan_models()
     state = gan_state(d, g)
@@ -104,7 +152,7 @@ def test_check_step_accepts_a_step_over_several_models() -> None:
 
     d_step = fasttorch.model_step(d_loss, donate=False)
     step = fasttorch.several({"d": d_step, "g": fasttorch.model_step(g_loss, donate=False)})
-    checks = ("pure", "dtype", "compiles", "no_host_sync", "reference")
+    checks = ("pure", "dtype", "composes", "compiles", "no_host_sync", "reference")
     errors = loop_error(d, g, calls)
     errors.pop("loss")
     atol = params_atol(errors, _tensors(factory()))  # rule 2
@@ -112,6 +160,28 @@ def test_check_step_accepts_a_step_over_several_models() -> None:
         step, factory, calls, reference=reference, checks=checks, rtol=0, atol=atol
     )
     assert report == {c: "ok" for c in checks}
+
+
+def test_check_step_composes_each_member_and_catches_a_broken_one() -> None:
+    """``composes`` wraps every member's step in each transform; a member whose loss
+    works on whole batches only (it divides by rows - 4) breaks under grad_accumulate."""
+    d, g = gan_models(batchnorm=False)
+    calls = gan_calls(2)
+
+    def whole_batches_only(apply: Any, batch: Any, models: Any) -> Any:
+        return d_loss(apply, batch, models) / (batch[0].shape[0] - 4)
+
+    def factory() -> fasttorch.Models:
+        return gan_state(d, g)
+
+    def check(d_fn: Any, g_step: fasttorch.Step) -> dict[str, str]:
+        step = fasttorch.several({"d": fasttorch.model_step(d_fn), "g": g_step})
+        return fasttorch.testing.check_step(step, factory, calls, checks=("composes",))
+
+    g_ema = fasttorch.ema(fasttorch.model_step(g_loss), 0.5)  # applied: wrapped once
+    assert check(d_loss, g_ema) == {"composes": "ok"}
+    with pytest.raises(AssertionError, match=r"composes.*grad_accumulate\(step of member 'd'\)"):
+        check(whole_batches_only, fasttorch.model_step(g_loss))
 
 
 def test_teacher_is_not_saved_and_comes_from_the_template(tmp_path: Any) -> None:

@@ -24,7 +24,9 @@ def results(out_dir):
     return spawn_group(run_ranks, 2, out_dir)
 
 
-@pytest.mark.parametrize("name", ["fp32_eager", "fp32_compiled", "fp16_eager", "bf16_eager"])
+@pytest.mark.parametrize(
+    "name", ["fp32_eager", "fp32_compiled", "fp16_eager", "fp16_compiled", "bf16_eager"]
+)
 def test_gan_with_sync_on_last_equals_no_sync_ddp(results, name):
     for rank, res in enumerate(results):
         r = res[name]

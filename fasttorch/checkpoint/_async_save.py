@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fasttorch.checkpoint._directory import _check_keep, _unlock
-from fasttorch.checkpoint._errors import CheckpointError
+from fasttorch.checkpoint._errors import CheckpointError, refuse_models
 from fasttorch.checkpoint._group import _async_group
 from fasttorch.checkpoint._save import _check_metric, _plan, _write
 from fasttorch.distributed.fsdp import as_dtensor
@@ -99,9 +99,15 @@ def async_save(
         >>> handle.wait().name
         'step_000000000'
     """
+    api = "checkpoint.async_save"
+    refuse_models(
+        state,
+        api,
+        "save it with checkpoint.save(directory, state) (one checkpoint per member), or "
+        "async_save each member: async_save(Path(directory) / name, state[name])",
+    )
     wait_pending()
     pg = _async_group()
-    api = "checkpoint.async_save"
     keep = _check_keep(api, keep_last, keep_best, mode, saving=True)
     plan = _plan(directory, state, data, name, keep, _check_metric(api, metric), pg, api)
     try:

@@ -9,6 +9,9 @@ from collections.abc import Iterator
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fasttorch.models import Models
+from fasttorch.state import TrainState
+
 # DCP warns on every single-process save and load; that is fasttorch's normal case.
 warnings.filterwarnings(
     "ignore",
@@ -54,3 +57,23 @@ def _as_checkpoint_error(what: str, *, also: tuple[type[Exception], ...] = ()) -
         raise _dcp_error(e, what) from e
     except failures as e:
         raise CheckpointError(f"{what} failed: {type(e).__name__}: {e}") from e
+
+
+def check_state_kind(state: object, api: str, role: str = "state") -> None:
+    """Raise a TypeError unless ``state`` is a ``TrainState`` or a ``Models`` state."""
+    if not isinstance(state, (TrainState, Models)):
+        raise TypeError(
+            f"{api} takes a fasttorch.TrainState or a fasttorch.Models state as its "
+            f"{role}, got {type(state).__name__}; pass the state a step returns "
+            "(state, metrics = step(state, batch)) or one built the same way"
+        )
+
+
+def refuse_models(state: object, api: str, fix: str) -> None:
+    """Raise a TypeError naming ``fix`` if ``state`` is a :class:`Models` (``api`` takes
+    one model's state)."""
+    if isinstance(state, Models):
+        raise TypeError(
+            f"{api} takes one model's TrainState, got a fasttorch.Models state (members "
+            f"{list(state.members)}); {fix}"
+        )

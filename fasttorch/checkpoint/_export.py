@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from fasttorch.checkpoint._directory import _fsync_dir
-from fasttorch.checkpoint._errors import CheckpointError
+from fasttorch.checkpoint._errors import CheckpointError, refuse_models
 from fasttorch.checkpoint._manifest import _dtype, verify
 from fasttorch.checkpoint._paths import _is_link, _path_arg
 from fasttorch.checkpoint._read import (
@@ -118,6 +118,7 @@ def export_safetensors(
         <All keys matched successfully>
     """
     api = "checkpoint.export_safetensors"
+    refuse_models(source, api, "export one member: export_safetensors(state[name], file)")
     if isinstance(source, TrainState):
         check_alive(source, api)
         if is_sharded(source.module):

@@ -7,7 +7,7 @@ import math
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.utils._pytree as pytree
@@ -19,6 +19,7 @@ from fasttorch.checkpoint._errors import (
     CheckpointError,
     CheckpointMismatchError,
     _as_checkpoint_error,
+    check_state_kind,
 )
 from fasttorch.checkpoint._group import _agree, _distributed, _rank_world
 from fasttorch.checkpoint._json import _Box, _decode_data
@@ -41,6 +42,7 @@ from fasttorch.checkpoint._read import (
     _unsafe,
 )
 from fasttorch.distributed.fsdp import as_dtensor
+from fasttorch.models import Models
 from fasttorch.state import TrainState, check_alive, is_sharded, mark_donated
 
 
@@ -92,6 +94,7 @@ def _check_fit(
         )
 
 
+@overload
 def load(
     path: str | os.PathLike[str],
     template: TrainState,
@@ -99,7 +102,28 @@ def load(
     inplace: bool = False,
     verify_hashes: bool = True,
     trust_pickled: bool = False,
-) -> tuple[TrainState, Any]:
+) -> tuple[TrainState, Any]: ...
+
+
+@overload
+def load(
+    path: str | os.PathLike[str],
+    template: Models,
+    *,
+    inplace: bool = False,
+    verify_hashes: bool = True,
+    trust_pickled: bool = False,
+) -> tuple[Models, Any]: ...
+
+
+def load(
+    path: str | os.PathLike[str],
+    template: TrainState | Models,
+    *,
+    inplace: bool = False,
+    verify_hashes: bool = True,
+    trust_pickled: bool = False,
+) -> tuple[TrainState | Models, Any]:
     """Load the checkpoint at ``path`` into a state shaped like ``template``.
 
     ``template`` is a state built the same way as the saved one (same model and
@@ -111,6 +135,11 @@ def load(
     the template's RNG (with a warning), and a window left open mid-accumulation
     cannot be split across a new number of ranks. Loading never runs code from the
     checkpoint (see the module's notes), unless ``trust_pickled``.
+
+    With a :class:`fasttorch.Models` template (several models), ``path`` is the one
+    :func:`save` returned for a ``Models`` state, ``directory/<name>``: each trained
+    member is loaded from ``directory/<member>/<name>`` as :func:`load_models` does,
+    and the ``Frozen`` members are the template's.
 
     A template sharded with FSDP2 (``fully_shard``) gets this rank's part of each
     saved tensor, whether the checkpoint was saved by one process or by any number
@@ -152,6 +181,13 @@ def load(
         (0, 7)
     """
     p = _path_arg(path, "checkpoint.load")
+    check_state_kind(template, "checkpoint.load", "template")
+    if isinstance(template, Models):
+        # _models loads each member through this function: imported here, not above.
+        from fasttorch.checkpoint._models import load_models
+
+        options = {"inplace": inplace, "verify_hashes": verify_hashes}
+        return load_models(p.parent, p.name, template, trust_pickled=trust_pickled, **options)
     check_alive(template, "checkpoint.load")
     keys, leaves, spec = _flatten(template)
     if is_sharded(template.module) and not inplace:
@@ -333,6 +369,7 @@ def _data(src: _Source, request: dict[str, Any], p: Path) -> Any:
     return value.value if isinstance(value, _Box) else None
 
 
+@overload
 def resume(
     directory: str | os.PathLike[str],
     template: TrainState,
@@ -340,7 +377,28 @@ def resume(
     data: Any = None,
     inplace: bool = False,
     verify_hashes: bool = True,
-) -> tuple[TrainState, Any]:
+) -> tuple[TrainState, Any]: ...
+
+
+@overload
+def resume(
+    directory: str | os.PathLike[str],
+    template: Models,
+    *,
+    data: Any = None,
+    inplace: bool = False,
+    verify_hashes: bool = True,
+) -> tuple[Models, Any]: ...
+
+
+def resume(
+    directory: str | os.PathLike[str],
+    template: TrainState | Models,
+    *,
+    data: Any = None,
+    inplace: bool = False,
+    verify_hashes: bool = True,
+) -> tuple[TrainState | Models, Any]:
     """Load the newest checkpoint in ``directory`` into ``template``, or start fresh.
 
     One call for the start of every run: the same code serves the first run (no
@@ -350,6 +408,9 @@ def resume(
 
         path = latest(directory)
         state, data = (template, data) if path is None else load(path, template)
+
+    A :class:`fasttorch.Models` template resumes from the newest checkpoint that
+    every trained member saved (:func:`latest_models`).
 
     Args:
         directory: where the checkpoints are saved; it need not exist yet.
@@ -382,6 +443,14 @@ def resume(
             f"checkpoint.resume: {str(d)!r} is not a directory; pass the directory the "
             "checkpoints are saved in"
         )
+    check_state_kind(template, "checkpoint.resume", "template")
+    if isinstance(template, Models):
+        from fasttorch.checkpoint._models import latest_models, load_models  # as in load
+
+        name = latest_models(d)
+        if name is None:
+            return template, data
+        return load_models(d, name, template, inplace=inplace, verify_hashes=verify_hashes)
     check_alive(template, "checkpoint.resume")
     found = latest(d, verify_hashes=verify_hashes)
     if found is None:

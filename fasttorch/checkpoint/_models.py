@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fasttorch.checkpoint._directory import latest
 from fasttorch.checkpoint._errors import CheckpointError
 from fasttorch.checkpoint._load import load
@@ -37,12 +39,17 @@ def save_models(
     data: Any = None,
     name: str | None = None,
     keep_last: int | None = None,
+    metric: float | torch.Tensor | None = None,
+    keep_best: int | None = None,
+    mode: str = "min",
 ) -> str:
     """Save every trained member of ``state`` as ``directory/<member>/<name>``.
 
-    As :func:`save` for each member (atomic, verified; ``data`` kept with each), all
-    under one name: by default the first member's ``step_<step>`` (``_micro<k>``
-    inside an accumulation window). Returns that name.
+    As :func:`save` for each member (atomic, verified; ``data``, ``metric`` and the
+    pruning options apply to each), all under one name: by default the first
+    member's ``step_<step>`` (``_micro<k>`` inside an accumulation window). Returns
+    that name. ``checkpoint.save(directory, state)`` does the same and returns
+    ``directory/<name>``.
 
     Example:
         >>> import tempfile, torch, fasttorch
@@ -65,7 +72,16 @@ def save_models(
         micro = window_position(first.substates)
         name = f"step_{int(first.step):09d}" + (f"_micro{micro}" if micro else "")
     for member, s in members.items():
-        save(Path(directory) / member, s, data=data, name=name, keep_last=keep_last)
+        save(
+            Path(directory) / member,
+            s,
+            data=data,
+            name=name,
+            keep_last=keep_last,
+            metric=metric,
+            keep_best=keep_best,
+            mode=mode,
+        )
     return name
 
 
@@ -92,13 +108,21 @@ def latest_models(directory: str | os.PathLike[str]) -> str | None:
 
 
 def load_models(
-    directory: str | os.PathLike[str], name: str | None, template: Models
+    directory: str | os.PathLike[str],
+    name: str | None,
+    template: Models,
+    *,
+    inplace: bool = False,
+    verify_hashes: bool = True,
+    trust_pickled: bool = False,
 ) -> tuple[Models, Any]:
     """Load checkpoint ``name`` of every trained member into a state shaped like ``template``.
 
     ``template`` is built as the saved state was (same members, models, optimizers,
     ``step.init`` for the same transforms); its ``Frozen`` members are kept as they
-    are. Returns ``(state, data)``, ``data`` as saved with the first member.
+    are. Returns ``(state, data)``, ``data`` as saved with the first member. The
+    options are :func:`load`'s, for each member. ``checkpoint.load(directory / name,
+    template)`` does the same.
 
     Raises:
         CheckpointError: ``name`` is ``None`` (nothing saved) or a member's
@@ -113,7 +137,13 @@ def load_models(
     out: dict[str, Any] = dict(template.members)
     data: Any = None
     for i, (member, s) in enumerate(members.items()):
-        out[member], d = load(Path(directory) / member / name, s)
+        out[member], d = load(
+            Path(directory) / member / name,
+            s,
+            inplace=inplace,
+            verify_hashes=verify_hashes,
+            trust_pickled=trust_pickled,
+        )
         if i == 0:
             data = d
     return Models(members=out), data

@@ -30,7 +30,12 @@ from fasttorch.checkpoint._directory import (
     _unlock,
     prune,
 )
-from fasttorch.checkpoint._errors import CheckpointError, _as_checkpoint_error, _quiet
+from fasttorch.checkpoint._errors import (
+    CheckpointError,
+    _as_checkpoint_error,
+    _quiet,
+    check_state_kind,
+)
 from fasttorch.checkpoint._group import _agree, _broadcast, _distributed, _rank_world
 from fasttorch.checkpoint._json import _encode_data
 from fasttorch.checkpoint._keys import (
@@ -49,6 +54,7 @@ from fasttorch.checkpoint._manifest import FORMAT, MANIFEST
 from fasttorch.checkpoint._patchable import patchable
 from fasttorch.checkpoint._paths import _dir_arg, _is_link
 from fasttorch.distributed.fsdp import as_dtensor
+from fasttorch.models import Models
 from fasttorch.state import TrainState, check_alive
 from fasttorch.substates import window_position
 
@@ -294,7 +300,7 @@ def _publish(plan: _Plan) -> None:
 
 def save(
     directory: str | os.PathLike[str],
-    state: TrainState,
+    state: TrainState | Models,
     *,
     data: Any = None,
     name: str | None = None,
@@ -317,9 +323,15 @@ def save(
     writes its shards as parts of the whole tensors, so the checkpoint loads on any
     number of ranks, sharded or not (see :func:`load`).
 
+    A :class:`fasttorch.Models` state (several models) is saved as one checkpoint per
+    trained member, ``directory/<member>/<name>``, all under one name (the first
+    member's step by default), as :func:`save_models` does; the returned path is
+    ``directory/<name>``, which :func:`load` and :func:`resume` take with a ``Models``
+    template. Its ``Frozen`` members are not saved.
+
     Args:
         directory: where checkpoints live (created if needed; shared by all ranks).
-        state: a live ``TrainState``; it is read, not changed.
+        state: a live ``TrainState`` or ``Models``; it is read, not changed.
         data: your position in the data, returned by :func:`load` on the same rank:
             JSON values only (dicts with ``str`` keys, lists, ``str``, ``int``, finite
             ``float``, ``bool``, ``None``; tensors through ``fasttorch.data.to_json``).
@@ -355,6 +367,22 @@ def save(
         ('step_000000000', True)
     """
     api = "checkpoint.save"
+    check_state_kind(state, api)
+    if isinstance(state, Models):
+        # _models saves each member through this function: imported here, not above.
+        from fasttorch.checkpoint._models import save_models
+
+        kept = save_models(
+            directory,
+            state,
+            data=data,
+            name=name,
+            keep_last=keep_last,
+            metric=metric,
+            keep_best=keep_best,
+            mode=mode,
+        )
+        return Path(directory) / kept
     keep = _check_keep(api, keep_last, keep_best, mode, saving=True)
     plan = _plan(directory, state, data, name, keep, _check_metric(api, metric), None, api)
     return _write(plan, None)

@@ -11,7 +11,7 @@ hyperparameters; docs/optimizers.md shows how to write a new optimizer.
 from fasttorch.optim._base import LearningRate, Optimizer, OptState, set_hyperparams
 from fasttorch.optim.adam import Adam, adam, adamw
 from fasttorch.optim.every import Every, every
-from fasttorch.optim.groups import Groups, Selector, groups
+from fasttorch.optim.groups import Groups, GroupsState, Selector, groups
 from fasttorch.optim.sgd import SGD, sgd
 from fasttorch.optim.torch_optim import TorchOptimizer, from_torch, load_torch_state_dict
 
@@ -20,6 +20,7 @@ __all__ = [
     "Adam",
     "Every",
     "Groups",
+    "GroupsState",
     "LearningRate",
     "OptState",
     "Optimizer",

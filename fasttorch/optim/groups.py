@@ -10,15 +10,33 @@ from typing import Any
 import attrs
 from torch import Tensor
 
+from fasttorch import struct
 from fasttorch.optim._base import Optimizer, OptState
 
-__all__ = ["Groups", "Selector", "groups"]
+__all__ = ["Groups", "GroupsState", "Selector", "groups"]
 
 Selector = str | re.Pattern[str] | Callable[[str, Tensor], bool]
 """Which parameters a group takes: a glob on the name (``"*.bias"``, ``fnmatch``), a
 compiled regular expression (``re.compile(r"blocks\\.[0-3]\\.")``, searched in the
 name), or a predicate ``(name, tensor) -> bool`` that reads names, shapes and dtypes
-(not values: it runs inside the step)."""
+(not values). Selectors run once, when the state is created (:meth:`Groups.init`): a
+step, compiled or not, reads the parameter names they chose."""
+
+
+class GroupsState(OptState):
+    """The state of a :class:`Groups` optimizer: an :class:`OptState` that also names
+    the parameters of each group, chosen by the selectors when it was created.
+
+    The names are static (not leaves): a compiled step reads them as constants instead
+    of running the selectors in its graph (a glob's ``fnmatch`` does not trace), and a
+    checkpoint's template brings them back.
+
+    Attributes:
+        names: per optimizer of the :class:`Groups` (the default first), the names of
+            its parameters, in the parameters' order.
+    """
+
+    names: tuple[tuple[str, ...], ...] = struct.field(static=True, default=())
 
 
 def _matches(selector: Selector, name: str, tensor: Tensor) -> bool:
@@ -74,17 +92,36 @@ class Groups:
 
     selectors: tuple[Selector, ...]
     optimizers: tuple[Optimizer, ...]
+    # The globs as anchored regular expressions, translated once: the selectors that a
+    # step must run itself (a state that does not name the groups, a group of groups)
+    # then trace under compile, which fnmatch does not.
+    _patterns: tuple[Selector, ...] = attrs.field(init=False, eq=False, repr=False)
+
+    @_patterns.default
+    def _translate(self) -> tuple[Selector, ...]:
+        return tuple(
+            re.compile("^" + fnmatch.translate(s)) if isinstance(s, str) else s
+            for s in self.selectors
+        )
 
     def assign(self, params: Mapping[str, Tensor]) -> dict[str, int]:
         """Each parameter's optimizer index: the first matching rule's, else 0."""
         out = {}
         for name, p in params.items():
             out[name] = next(
-                (i + 1 for i, s in enumerate(self.selectors) if _matches(s, name, p)), 0
+                (i + 1 for i, s in enumerate(self._patterns) if _matches(s, name, p)), 0
             )
         return out
 
-    def _split(self, params: Mapping[str, Tensor]) -> list[list[str]]:
+    def _split(
+        self, params: Mapping[str, Tensor], opt_state: OptState | None = None
+    ) -> list[list[str]]:
+        """Each optimizer's parameter names: as ``opt_state`` names them when it names
+        every one of ``params`` (a subset when unreached ones are skipped), else chosen
+        by the selectors now (a state built by hand, a group of groups)."""
+        chosen = opt_state.names if isinstance(opt_state, GroupsState) else ()
+        if chosen and {n for names in chosen for n in names}.issuperset(params):
+            return [[n for n in names if n in params] for names in chosen]
         where = self.assign(params)
         return [[n for n in params if where[n] == i] for i in range(len(self.optimizers))]
 
@@ -92,9 +129,9 @@ class Groups:
     def _prefix(i: int) -> str:
         return "" if i == 0 else f"group{i - 1}."
 
-    def init(self, params: Mapping[str, Tensor]) -> OptState:
+    def init(self, params: Mapping[str, Tensor]) -> GroupsState:
         """Each group's optimizer's state, merged: hyperparameters of rule ``i`` prefixed
-        ``"group{i}."``, slots by parameter name."""
+        ``"group{i}."``, slots by parameter name, and each group's parameter names."""
         parts = self._split(params)
         for i, names in enumerate(parts[1:]):
             if not names:
@@ -114,7 +151,8 @@ class Groups:
             for k, v in sub.slots.items():
                 slots.setdefault(k, {}).update(v)
         assert count is not None
-        return OptState(count=count, hyper=hyper, slots=slots)
+        chosen = tuple(tuple(n) for n in parts)
+        return GroupsState(count=count, hyper=hyper, slots=slots, names=chosen)
 
     def _sub_state(self, opt_state: OptState, i: int, names: list[str], count: Tensor) -> OptState:
         prefix = self._prefix(i)
@@ -148,7 +186,7 @@ class Groups:
         """Each group's update on its own parameters; results in the input's key order."""
         new_params: dict[str, Tensor] = {}
         slots: dict[str, dict[str, Tensor]] = {}
-        for i, (opt, names) in enumerate(zip(self.optimizers, self._split(params))):
+        for i, (opt, names) in enumerate(zip(self.optimizers, self._split(params, opt_state))):
             if not names:
                 continue
             # In place, an optimizer may advance the count it is given: each gets a copy.
@@ -181,7 +219,7 @@ class Groups:
         """Each group's ``fused_update`` (torch's fused kernel, loss scale and skip flag
         inside), when every group's optimizer can take it; else ``None``, nothing done."""
         parts = []
-        for i, (opt, names) in enumerate(zip(self.optimizers, self._split(params))):
+        for i, (opt, names) in enumerate(zip(self.optimizers, self._split(params, opt_state))):
             if not names:
                 continue
             sub_params = {n: params[n] for n in names}
