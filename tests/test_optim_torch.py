@@ -618,6 +618,28 @@ def test_groups_state_without_names_runs_glob_selectors_in_the_compiled_step() -
         torch.testing.assert_close(p, named.params[n], **EXACT, msg=lambda m, n=n: f"{n}: {m}")
 
 
+def test_groups_within_a_rule_equal_the_flattened_rules() -> None:
+    """A rule's optimizer may itself be groups(...): its own rules' hyperparameters
+    (stored "group0.group0.weight_decay") reach it, and the run is the flat rule list's,
+    eager and compiled, bit for bit."""
+    torch.manual_seed(0)
+    model = LayerNormNet()
+    data = batches(STEPS, 16)
+    inner = optim.groups(optim.adamw(LR), [("*.bias", {"weight_decay": 0.0})])
+    nested = optim.groups(optim.sgd(LR), [("out.*", inner)])
+    flat = optim.groups(
+        optim.sgd(LR),
+        [("out.bias", optim.adamw(LR, weight_decay=0.0)), ("out.*", optim.adamw(LR))],
+    )
+    state = fasttorch.TrainState.create(copy.deepcopy(model), nested)
+    assert float(state.opt_state.hyper["group0.group0.weight_decay"]) == 0.0
+    want = _run(fasttorch.TrainState.create(copy.deepcopy(model), flat), fasttorch.step(mse), data)
+    for step in (fasttorch.step(mse), fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")):
+        got = _run(fasttorch.TrainState.create(copy.deepcopy(model), nested), step, data)
+        for n, p in got.params.items():
+            torch.testing.assert_close(p, want.params[n], **EXACT, msg=lambda m, n=n: f"{n}: {m}")
+
+
 def test_groups_errors() -> None:
     params = {"a.weight": torch.ones(2, 2), "a.bias": torch.ones(2)}
     with pytest.raises(ValueError, match="matches no parameter"):
@@ -629,6 +651,8 @@ def test_groups_errors() -> None:
         optim.groups(optim.adamw(LR), [("*.bias", {"momentum": 0.0})])
     with pytest.raises(TypeError, match="list of \\(selector, overrides\\)"):
         optim.groups(optim.adamw(LR), {"*.bias": {}})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="default optimizer is itself groups"):
+        optim.groups(optim.groups(optim.sgd(LR), [("a.*", {"lr": 0.1})]), [])
 
 
 # ------------------------------------------------------------- load_torch_state_dict

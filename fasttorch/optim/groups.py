@@ -156,10 +156,13 @@ class Groups:
 
     def _sub_state(self, opt_state: OptState, i: int, names: list[str], count: Tensor) -> OptState:
         prefix = self._prefix(i)
+        # The default group's names carry no prefix and no dot; a rule's keep whatever
+        # follows its prefix, dots included (a rule whose optimizer is itself groups()
+        # has "group0.weight_decay" of its own, stored as "group1.group0.weight_decay").
         hyper = {
             k[len(prefix) :]: v
             for k, v in opt_state.hyper.items()
-            if (k.startswith(prefix) and "." not in k[len(prefix) :])
+            if (k.startswith(prefix) if prefix else "." not in k)
         }
         slots = {
             k: {n: v[n] for n in names if n in v}
@@ -295,6 +298,13 @@ def groups(
                 f"groups: a selector is a glob string, a re.Pattern or a predicate "
                 f"(name, tensor) -> bool, got {selector!r}."
             )
+    if isinstance(default, Groups):
+        raise TypeError(
+            "groups: the default optimizer is itself groups(...), whose rules' "
+            "hyperparameters would take the outer rules' names (group0.lr, ...). Put its "
+            "rules in this call's list instead, before the rules that should come after "
+            "them; a rule's optimizer may be groups(...)"
+        )
     return Groups(
         tuple(s for s, _ in rules),
         (default, *(_derive(default, o) for _, o in rules)),
