@@ -105,6 +105,11 @@ def test_checkpoint_entry_points_say_what_a_models_state_needs(tmp_path: Any) ->
     with pytest.raises(TypeError, match="as its template, got int"):
         fasttorch.checkpoint.resume(tmp_path, 3)
     assert not (tmp_path / "m.safetensors").exists()
+    # The path save returned names every member's checkpoint, not one to export.
+    with pytest.raises(fasttorch.checkpoint.CheckpointError, match=r"several models .*/d/step_0+'"):
+        fasttorch.checkpoint.model_state_dict(path)
+    member = fasttorch.checkpoint.model_state_dict(tmp_path / "d" / path.name)
+    assert set(member) == set(state["d"].module.state_dict())
 
 
 def test_an_interrupted_save_resumes_from_the_last_name_every_member_has(tmp_path: Any) -> None:

@@ -44,6 +44,7 @@ def model_state_dict(
         <All keys matched successfully>
     """
     p = _path_arg(path, "checkpoint.model_state_dict")
+    _refuse_models_path(p, "checkpoint.model_state_dict")
     manifest = verify(p)
     request: dict[str, Any] = {}
     left_out = set(manifest.get("non_persistent", ()))
@@ -58,6 +59,23 @@ def model_state_dict(
         if source in request:
             out[key] = request[source]
     return out
+
+
+def _refuse_models_path(p: Path, api: str) -> None:
+    """Raise if ``p`` is the path ``save`` returned for a ``Models`` state: no checkpoint
+    itself, but one per trained member at ``<directory>/<member>/<name>``."""
+    if p.exists():
+        return
+    members = sorted(
+        m.name for m in p.parent.glob("*") if (m / p.name / "fasttorch.json").is_file()
+    )
+    if members:
+        paths = ", ".join(repr(str(p.parent / m / p.name)) for m in members)
+        raise CheckpointError(
+            f"{api}: {str(p)!r} names a checkpoint of several models (saved from a "
+            f"fasttorch.Models state): one checkpoint per member, at {paths}. Give one "
+            "member's path, or load them all with checkpoint.load(path, models_template)"
+        )
 
 
 # --------------------------------------------------------------------------- safetensors
