@@ -23,19 +23,22 @@ model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Li
 state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(1e-2))
 def mse(apply, batch):
     return torch.nn.functional.mse_loss(apply(batch[0]), batch[1])
-step = fasttorch.compiled(fasttorch.step(mse), cache_dir=sys.argv[1])
+step = fasttorch.step(mse)
+if sys.argv[2] != "fp32":
+    step = fasttorch.with_amp(step, sys.argv[2])
+step = fasttorch.compiled(step, cache_dir=sys.argv[1])
 state, _ = step(state, (torch.randn(16, 8), torch.randn(16, 4)))
 out = {**_compat.inductor_cache_counts(), "params": [p.tolist() for p in state.params.values()]}
 print(json.dumps(out))
 """
 
 
-def _process(cache: str, own: str) -> dict:
+def _process(cache: str, own: str, precision: str = "fp32") -> dict:
     # Each process gets a fresh TORCHINDUCTOR_CACHE_DIR of its own: only cache_dir can
     # share anything between them.
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": own}
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, cache],
+        [sys.executable, "-c", CHILD, cache, precision],
         env=env,
         capture_output=True,
         text=True,
@@ -55,6 +58,19 @@ def test_second_process_loads_the_first_ones_compile(tmp_path):
     assert second["miss"] == 0 and second["hit"] >= 1, second  # no code generated
     assert second["params"] == first["params"]
     assert os.listdir(cache) and not os.listdir(tmp_path / "own2")
+
+
+@pytest.mark.slow
+def test_a_mixed_precision_step_skips_aot_autograd_in_the_second_process(tmp_path):
+    # An autocast region in the graph made AOT autograd's cache refuse it ("Unsupported
+    # call_function target _enter_autocast"): each warm process traced the forward and
+    # backward again before the FX graph cache handed back the code.
+    cache = str(tmp_path / "cache")
+    first = _process(cache, str(tmp_path / "own1"), "bf16")
+    second = _process(cache, str(tmp_path / "own2"), "bf16")
+    assert first["aot_bypass"] == 0 and second["aot_bypass"] == 0, (first, second)
+    assert second["miss"] == 0 and second["aot_hit"] == second["hit"] >= 1, second
+    assert second["params"] == first["params"]
 
 
 def test_cache_dir_is_checked_at_wrap_time(tmp_path):

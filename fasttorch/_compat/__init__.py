@@ -66,6 +66,7 @@ from fasttorch._compat.inductor import (
     inductor_has_option,
     inductor_mode_options,
     use_inductor_cache_dir,
+    with_cacheable_autocast,
 )
 from fasttorch._compat.releases import (
     AUTOGRAD_GRAD_IN_GRAPH,
@@ -115,6 +116,7 @@ __all__ = [
     "tensor_version",
     "tracing_autograd_ops",
     "use_inductor_cache_dir",
+    "with_cacheable_autocast",
 ]
 
 repr_context = threading.local()

@@ -23,6 +23,7 @@ __all__ = [
     "inductor_has_option",
     "inductor_mode_options",
     "use_inductor_cache_dir",
+    "with_cacheable_autocast",
 ]
 
 
@@ -210,10 +211,47 @@ def inductor_caches_disabled() -> str | None:
 
 
 def inductor_cache_counts() -> dict[str, int]:
-    """Inductor's FX graph cache hits and misses in this process (``counters["inductor"]``).
+    """Inductor's FX graph cache hits and misses in this process (``counters["inductor"]``),
+    and AOT autograd's cache hits and refusals (``counters["aot_autograd"]``).
 
     Why: the warm-start test and benchmark count a process's code generation: a miss
-    is a graph inductor compiled, a hit one it loaded (``torch/_inductor/codecache.py``).
+    is a graph inductor compiled, a hit one it loaded (``torch/_inductor/codecache.py``);
+    an AOT autograd hit is a forward and backward not traced again, a bypass a graph
+    its cache refused (``torch/_functorch/_aot_autograd/autograd_cache.py``).
     """
-    c = torch._dynamo.utils.counters["inductor"]
-    return {"hit": int(c["fxgraph_cache_hit"]), "miss": int(c["fxgraph_cache_miss"])}
+    c = torch._dynamo.utils.counters
+    ind, aot = c["inductor"], c["aot_autograd"]
+    return {
+        "hit": int(ind["fxgraph_cache_hit"]),
+        "miss": int(ind["fxgraph_cache_miss"]),
+        "aot_hit": int(aot["autograd_cache_hit"]),
+        "aot_bypass": int(aot["autograd_cache_bypass"]),
+    }
+
+
+# Dynamo writes an autocast region as calls of these two functions, with the device type,
+# dtype and flags as constant arguments in the graph.
+_AUTOCAST_CALLS = (
+    "torch.amp.autocast_mode._enter_autocast",
+    "torch.amp.autocast_mode._exit_autocast",
+)
+
+
+def with_cacheable_autocast(options: dict[str, Any]) -> dict[str, Any]:
+    """Inductor options under which AOT autograd caches a graph with an autocast region.
+
+    Why: AOT autograd's cache refuses a dynamo graph with a call it does not know to be
+    safe ("Unsupported call_function target _enter_autocast",
+    ``torch/_functorch/_aot_autograd/autograd_cache.py``, ``check_node_safe``), so every
+    process traced a ``with_amp`` step's forward and backward again before loading its
+    compiled code from the FX graph cache: most of a warm start's backend time. Both
+    calls are pure functions of their arguments, which are constants in the graph and
+    so in the cache key; inductor's ``unsafe_marked_cacheable_functions`` (name ->
+    a string the key includes, here the torch version) declares them cacheable. The
+    caller's own entries are kept. Where the option is missing, ``options`` unchanged.
+    """
+    if not inductor_has_option("unsafe_marked_cacheable_functions"):
+        return options
+    given = options.get("unsafe_marked_cacheable_functions") or {}
+    mine = dict.fromkeys(_AUTOCAST_CALLS, torch.__version__)
+    return {**options, "unsafe_marked_cacheable_functions": {**mine, **given}}

@@ -226,3 +226,17 @@ def _with_fusion_cap(options: dict[str, Any]) -> dict[str, Any]:
     inductor_opts.setdefault("max_fusion_buffer_group_pairwise_attempts", FUSION_ATTEMPTS)
     out["options"] = inductor_opts
     return out
+
+
+def _with_cacheable_autocast(options: dict[str, Any]) -> dict[str, Any]:
+    """``torch.compile`` arguments under which a graph with an autocast region is cached.
+
+    AOT autograd's cache otherwise refuses a ``with_amp`` graph, so a warm start traced
+    its forward and backward again in every process (``_compat.with_cacheable_autocast``
+    says why that is safe). Only for the inductor backend, whose cache it is; call it
+    after ``_with_fusion_cap``, which turns a mode into options.
+    """
+    if options.get("backend", "inductor") != "inductor":
+        return options
+    inner = _compat.with_cacheable_autocast(dict(options.get("options") or {}))
+    return {**options, "options": inner}

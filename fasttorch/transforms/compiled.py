@@ -35,6 +35,7 @@ from fasttorch.transforms._inductor_options import (
     _only_on_cpu,
     _separate_build_is_ours,
     _tail,
+    _with_cacheable_autocast,
     _with_cpp_wrapper,
     _with_cpu_gemm,
     _with_fusion_cap,
@@ -397,7 +398,7 @@ def compile_step_fn(
             if _on_cpu((args, kwargs)):
                 _check_isa_cache()
                 probe_cpu_isa_early(opts)
-            opts = _with_fusion_cap(opts)
+            opts = _with_cacheable_autocast(_with_fusion_cap(opts))
             if cpp_wrapper_on_cpu and _only_on_cpu((args, kwargs)):
                 opts = _with_cpp_wrapper(opts)
             compiled_fn, recompiles = _watched(fn, opts, limit)
