@@ -27,13 +27,13 @@ from typing import Any, TypeAlias
 
 import torch
 import torch.utils._pytree as pytree
-from torch.func import functional_call
 
 from fasttorch import _checks, _engine, _scope, struct
 from fasttorch._buffers import BUFFERS_KEY as BUFFERS_KEY
 from fasttorch._buffers import SKIP_BUFFERS as SKIP_BUFFERS
 from fasttorch._buffers import restore_buffers
 from fasttorch._engine import ModuleTensors
+from fasttorch._module import call_with
 from fasttorch._tree import add_weighted_aux as add_weighted_aux
 from fasttorch._tree import batch_size, constant, describe
 from fasttorch._tree import divide_aux as divide_aux
@@ -153,7 +153,7 @@ def loss_phase(loss_fn: LossFn) -> LossPhase:
                     # so the module holds the state's shards again, not a full copy.
                     reshard(state.module)
                 return out
-            return functional_call(state.module, (params, buffers), args, kwargs)
+            return call_with(state.module, (params, buffers), state.ties, args, kwargs)
 
         if torch.compiler.is_compiling():
             out = loss_fn(apply, batch)

@@ -14,10 +14,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fasttorch import struct
+from fasttorch._module import Ties, call_with, record_modes, tied_names
 from fasttorch._module import evaluating as evaluating
 from fasttorch._module import is_sharded as is_sharded
 from fasttorch._module import local_tensor as local_tensor
-from fasttorch._module import record_modes
 from fasttorch._module import reshard as reshard
 from fasttorch._module import training_modes as training_modes
 from fasttorch._rng import initial_rng_state
@@ -67,6 +67,8 @@ class TrainState(struct.Record):
         substates: per-transform state, by the key each transform declares.
         module: the template module (static).
         optimizer: the functional optimizer (static).
+        ties: the module's tied names, ``(alias, name)`` pairs, recorded by ``create``
+            (static; ``None`` where not known: the forward then finds them itself).
 
     Example:
         >>> import torch, fasttorch
@@ -83,6 +85,7 @@ class TrainState(struct.Record):
     substates: dict[str, Any]
     module: nn.Module = struct.field(static=True)
     optimizer: Optimizer = struct.field(static=True)
+    ties: Ties | None = struct.field(static=True, default=None)
 
     # A donating step writes its results into these tensors (commit, below): the
     # same objects on every call, which compiled marks static for CUDA graphs.
@@ -180,6 +183,7 @@ class TrainState(struct.Record):
             substates={},
             module=module,
             optimizer=optimizer,
+            ties=tied_names(module),
         )
 
     def with_substate(self, key: str, value: Any) -> TrainState:
@@ -217,9 +221,7 @@ class TrainState(struct.Record):
             with evaluating(self.module), torch.no_grad():
                 if is_sharded(self.module):  # the module runs over this state's storage
                     return self.module(*args, **kwargs)
-                return torch.func.functional_call(
-                    self.module, (self.params, self.buffers), args, kwargs
-                )
+                return call_with(self.module, (self.params, self.buffers), self.ties, args, kwargs)
         finally:
             reshard(self.module)
 
@@ -237,16 +239,10 @@ class TrainState(struct.Record):
             <All keys matched successfully>
         """
         tensors = {**self.params, **self.buffers}
-        named = (
-            *self.module.named_parameters(remove_duplicate=False),
-            *self.module.named_buffers(remove_duplicate=False),
-        )
-        first: dict[int, str] = {}  # the module's tensor -> the name the state keeps it by
-        for name, t in named:
-            first.setdefault(id(t), name)
+        kept_as = dict(tied_names(self.module))  # a tied name -> the name the state keeps
         out = {}
         for key, value in self.module.state_dict(keep_vars=True).items():
-            mine = tensors.get(first.get(id(value), key))
+            mine = tensors.get(kept_as.get(key, key))
             value = value if mine is None else mine
             out[key] = value.detach() if isinstance(value, torch.Tensor) else value
         return out

@@ -334,3 +334,66 @@ def test_transform_configs_and_states_have_working_reprs():
     assert len(records) == 2  # the loss scale and the EMA
     for sub in records:
         assert repr(sub).startswith(type(sub).__name__ + "(")
+
+
+class _TiedHead(nn.Module):
+    """An embedding and a head sharing one weight (GPT-2's tying)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(self.emb(x))))
+
+
+def _ce(apply, batch):
+    x, y = batch
+    return nn.functional.cross_entropy(apply(x).flatten(0, 1), y.flatten())
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_tied_weight_trains_as_one_tensor_without_walking_the_module(mode, monkeypatch):
+    # create records the module's tied names once; each forward adds the aliases itself
+    # instead of torch's per-call walk over every submodule (which dynamo traced in
+    # every compiled step). Same bits as the walk, and as the hand loop's updates.
+    torch.manual_seed(0)
+    model = _TiedHead()
+    state = fasttorch.TrainState.create(copy.deepcopy(model), fasttorch.optim.adamw(1e-2))
+    assert state.ties == (("head.weight", "emb.weight"),)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 11, (4, 5), generator=g),) * 2 for _ in range(3)]
+
+    def run(state):
+        step = fasttorch.step(_ce, donate=False)
+        if mode == "compiled":
+            step = fasttorch.compiled(step, backend="aot_eager")
+        for b in data:
+            state, _ = step(state, b)
+        return state
+
+    from torch.nn.utils import stateless
+
+    def no_walk(*args):
+        raise AssertionError("functional_call walked the module for its tied names")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(stateless, "_untie_named_tensors_map", no_walk)
+        lean = run(state)
+        with pytest.raises(Exception, match="walked the module"):  # dynamo wraps it
+            run(state.replace(ties=None))  # ties not known: torch's walk
+    walked = run(state.replace(ties=None))
+    for k in lean.params:
+        torch.testing.assert_close(lean.params[k], walked.params[k], **EXACT)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for b in data:
+        _ce(model, b).backward()
+        opt.step()
+        opt.zero_grad()
+    assert set(lean.params) == {k for k, _ in model.named_parameters()}
+    for k, p in model.named_parameters():  # one update per tied tensor, as torch's
+        torch.testing.assert_close(lean.params[k], p.detach(), rtol=1e-5, atol=1e-6)
