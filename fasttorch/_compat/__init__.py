@@ -41,6 +41,7 @@ from fasttorch._compat.distributed import (
 from fasttorch._compat.dynamo import (
     compile_backends,
     compile_phase_seconds,
+    compiled_in_place,
     dynamo_counters,
     dynamo_reset,
     guard_failures,
@@ -87,6 +88,7 @@ __all__ = [
     "compile_backends",
     "compile_modes",
     "compile_phase_seconds",
+    "compiled_in_place",
     "cpp_compile_error",
     "cpu_gemm_pass_works",
     "cpu_has_amx_fp16",

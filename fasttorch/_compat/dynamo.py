@@ -12,6 +12,7 @@ import torch
 __all__ = [
     "compile_backends",
     "compile_phase_seconds",
+    "compiled_in_place",
     "dynamo_counters",
     "dynamo_reset",
     "guard_failures",
@@ -55,6 +56,16 @@ def is_optimized_module(module: Any) -> bool:
     """
     optimized = getattr(getattr(torch._dynamo, "eval_frame", None), "OptimizedModule", None)
     return optimized is not None and isinstance(module, optimized)
+
+
+def compiled_in_place(module: Any) -> bool:
+    """Whether ``module.compile()`` was called on ``module`` (its ``__call__`` is compiled).
+
+    Why: ``compiled(regions=...)`` leaves such a block alone; ``nn.Module.compile`` keeps
+    the compiled call in the private ``_compiled_call_impl`` (``torch/nn/modules/module.py``),
+    with no public query. Read with ``getattr``: a release without it answers ``False``.
+    """
+    return getattr(module, "_compiled_call_impl", None) is not None
 
 
 def compile_backends() -> tuple[str, ...]:
