@@ -35,23 +35,26 @@ INVOKE = torch.ops.higher_order.invoke_subgraph
 
 
 class Block(nn.Module):
-    def __init__(self, width: int, norm: type[nn.Module] = nn.LayerNorm) -> None:
+    def __init__(self, width: int, norm: type[nn.Module] = nn.LayerNorm, p: float = 0.0):
         super().__init__()
         self.norm = norm(width)
         self.fc1 = nn.Linear(width, 2 * width)
         self.fc2 = nn.Linear(2 * width, width)
+        self.drop = nn.Dropout(p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+        return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)))))
 
 
 class Deep(nn.Module):
     """Input layer, ``depth`` residual blocks in an ``nn.ModuleList``, output layer."""
 
-    def __init__(self, depth: int = 3, width: int = 16, norm: type[nn.Module] = nn.LayerNorm):
+    def __init__(
+        self, depth: int = 3, width: int = 16, norm: type[nn.Module] = nn.LayerNorm, p: float = 0.0
+    ):
         super().__init__()
         self.inp = nn.Linear(8, width)
-        self.blocks = nn.ModuleList(Block(width, norm) for _ in range(depth))
+        self.blocks = nn.ModuleList(Block(width, norm, p) for _ in range(depth))
         self.out = nn.Linear(width, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,6 +132,27 @@ def test_regions_equal_the_whole_step_and_the_hand_written_loop(precision):
     atol = params_atol(error.params, without.params, precision=precision, steps=STEPS, lr=LR)
     for state in (with_regions, without):
         assert_params_close(state, ref, rtol=0, atol=atol)
+
+
+def test_dropout_inside_a_region_draws_what_the_whole_step_draws():
+    """Each block's dropout mask in a region is the one the inlined graph draws: the
+    region's dropout reads the state's generator (fasttorch._rng) in block order."""
+    torch.manual_seed(0)
+    model = Deep(p=0.3)
+    data = batches(STEPS, 16)
+    backends = {True: Graphs(), False: Graphs()}
+    states = {
+        regions: train(
+            copy.deepcopy(model),
+            fasttorch.compiled(build("bf16"), backend=backend, regions=regions),
+            data,
+        )
+        for regions, backend in backends.items()
+    }
+    assert len(backends[True].invokes()) == 3
+    for k, p in states[False].params.items():  # rule 1: the same operations and draws
+        torch.testing.assert_close(states[True].params[k], p, **EXACT)
+    assert torch.equal(states[True].rng, states[False].rng)
 
 
 def test_the_block_is_traced_once_and_called_once_per_block_without_recompiles():
