@@ -282,3 +282,40 @@ def test_regions_true_is_refused_where_it_cannot_apply():
     with pytest.raises(ValueError, match="vmapped"):
         fasttorch.compiled(vm, backend="aot_eager", regions=True)
     fasttorch.compiled(vm, backend="aot_eager")  # "auto": compiled without regions
+
+
+class RefusesRegions(Graphs):
+    """aot_eager, except for a graph that calls a region (a compiler that cannot)."""
+
+    def __call__(self, gm: torch.fx.GraphModule, example: list[torch.Tensor]):
+        self.graphs.append(gm)
+        if any(n.target is INVOKE for n in gm.graph.nodes):
+            raise NotImplementedError("no regions here")
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example)
+
+
+def test_auto_compiles_without_regions_where_they_fail_to_compile(monkeypatch):
+    monkeypatch.setattr(_regions, "wanted", lambda *args: True)  # "auto" on, here
+    _checks.warn_once.cache_clear()
+    torch.manual_seed(0)
+    model = Deep()
+    data = batches(2, 16)
+    backend = RefusesRegions()
+    step = fasttorch.compiled(fasttorch.step(mse), backend=backend)
+    with pytest.warns(UserWarning, match="compiled without them"):
+        state = train(copy.deepcopy(model), step, data)
+    assert len(backend.graphs) == 2  # with regions (refused), then without: no more
+    assert len(backend.invokes()) == 3 and not any(
+        n.target is INVOKE for n in backend.graphs[1].graph.nodes
+    )
+    plain = train(
+        copy.deepcopy(model), fasttorch.compiled(fasttorch.step(mse), backend="aot_eager"), data
+    )
+    for k, p in plain.params.items():  # rule 1: the same graph
+        torch.testing.assert_close(state.params[k], p, **EXACT)
+    # regions=True raises instead.
+    strict = fasttorch.compiled(fasttorch.step(mse), backend=RefusesRegions(), regions=True)
+    with pytest.raises(Exception, match="no regions here"):
+        train(copy.deepcopy(model), strict, data)

@@ -16,6 +16,7 @@ __all__ = [
     "dynamo_counters",
     "dynamo_reset",
     "guard_failures",
+    "is_compile_error",
     "is_optimized_module",
     "recompile_budget",
     "recompile_budget_enforced",
@@ -66,6 +67,19 @@ def compiled_in_place(module: Any) -> bool:
     with no public query. Read with ``getattr``: a release without it answers ``False``.
     """
     return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def is_compile_error(err: BaseException) -> bool:
+    """Whether ``err`` is dynamo's or its backend's, raised while compiling a frame.
+
+    Why: ``compiled(regions="auto")`` compiles a step again without regions when the
+    first compile with them fails, and must tell such a failure (nothing ran yet, under
+    ``fullgraph=True``) from an error of the step itself. Dynamo's errors
+    (``Unsupported``, ``BackendCompilerFailed``, ``TorchRuntimeError``, ...) derive from
+    ``torch._dynamo.exc.TorchDynamoException``; ``FailOnRecompileLimitHit`` does not.
+    """
+    base = getattr(getattr(torch._dynamo, "exc", None), "TorchDynamoException", None)
+    return isinstance(base, type) and isinstance(err, base)
 
 
 def compile_backends() -> tuple[str, ...]:

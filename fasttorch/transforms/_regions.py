@@ -316,12 +316,33 @@ class Blocks:
             for block in done:
                 vars(block).pop("forward", None)
 
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` (a compiled kernel) called with the blocks replaced."""
+    def wrap(self, fn: Callable[..., Any], *, retry: bool) -> Callable[..., Any]:
+        """``fn`` (a compiled kernel) called with the blocks replaced.
+
+        ``retry``: when its first call fails to compile (a dynamo or backend error:
+        under ``fullgraph=True`` nothing ran), warn once and run ``fn`` from then on
+        without regions (``regions="auto"``: regions never cost a working step).
+        """
+        state = {"first": True, "off": False}
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            with self.installed(args):
+            if state["off"]:
+                return fn(*args, **kwargs)
+            first, state["first"] = state["first"], False
+            try:
+                with self.installed(args):
+                    return fn(*args, **kwargs)
+            except Exception as err:
+                if not (retry and first and _compat.is_compile_error(err)):
+                    raise
+                state["off"] = True
+                warn_once(
+                    "compiled(regions='auto'): compiling the model's blocks as nested "
+                    "compile regions failed, so this step is compiled without them "
+                    "(pass regions=False to skip the attempt). torch said: "
+                    f"{type(err).__name__}: {str(err)[:2000]}"
+                )
                 return fn(*args, **kwargs)
 
         return call

@@ -393,7 +393,7 @@ def compile_step_fn(
                 opts = _regions.without_cpp_wrapper(opts)
             elif cpp_wrapper_on_cpu and _only_on_cpu((args, kwargs)):
                 opts = _with_cpp_wrapper(opts)
-            compiled_fn, recompiles = _watched(fn, opts, limit, blocks)
+            compiled_fn, recompiles = _watched(fn, opts, limit, blocks, regions)
             if uses_cudagraphs(opts) and not _on_cpu((args, kwargs)):
                 with _compat.recompile_budget(limit):
                     return _first_graph_call(compiled_fn, fn, args, kwargs, static_state)
@@ -422,7 +422,7 @@ def compile_step_fn(
                 )
                 inner = {**opts["options"], "cpp_wrapper_build_separate": False}
                 opts = {**opts, "options": inner}
-                compiled_fn, recompiles = _watched(fn, opts, limit, blocks)
+                compiled_fn, recompiles = _watched(fn, opts, limit, blocks, regions)
                 return compiled_fn(*args, **kwargs)
 
     return run
@@ -454,7 +454,11 @@ def _first_graph_call(
 
 
 def _watched(
-    fn: Callable[..., Any], opts: dict[str, Any], limit: int, blocks: _regions.Blocks | None
+    fn: Callable[..., Any],
+    opts: dict[str, Any],
+    limit: int,
+    blocks: _regions.Blocks | None = None,
+    regions: object = False,
 ) -> tuple[Callable[..., Any], Recompiles]:
     """``torch.compile`` of ``fn``'s own code, with the record of its recompiles."""
     mine = own_code(fn)
@@ -468,7 +472,9 @@ def _watched(
             "reported; run with TORCH_LOGS=recompiles to see them"
         )
     out = torch.compile(mine, **opts)
-    return (out if blocks is None else blocks.wrap(out)), Recompiles(name, limit, code)
+    if blocks is not None:  # "auto" falls back to no regions where they fail to compile
+        out = blocks.wrap(out, retry=regions == "auto" and opts.get("fullgraph") is True)
+    return out, Recompiles(name, limit, code)
 
 
 def _describe(fn: Callable[..., Any]) -> str:
