@@ -282,6 +282,9 @@ def test_regions_true_is_refused_where_it_cannot_apply():
     with pytest.raises(ValueError, match="vmapped"):
         fasttorch.compiled(vm, backend="aot_eager", regions=True)
     fasttorch.compiled(vm, backend="aot_eager")  # "auto": compiled without regions
+    pair = fasttorch.several({"a": fasttorch.step(mse), "b": fasttorch.step(mse)})
+    with pytest.raises(ValueError, match="several models"):
+        fasttorch.compiled(pair, backend="aot_eager", regions=True)
 
 
 class RefusesRegions(Graphs):
@@ -319,3 +322,15 @@ def test_auto_compiles_without_regions_where_they_fail_to_compile(monkeypatch):
     strict = fasttorch.compiled(fasttorch.step(mse), backend=RefusesRegions(), regions=True)
     with pytest.raises(Exception, match="no regions here"):
         train(copy.deepcopy(model), strict, data)
+
+
+def test_blocks_are_grouped_by_class_tensors_and_settings():
+    model = Deep()
+    assert [len(g) for g in _regions.find_groups(model)[0]] == [3]
+    model.blocks[1].fc1.window = 4  # a per-layer setting: blocks 0 and 2 still match
+    assert [[id(b) for b in g] for g in _regions.find_groups(model)[0]] == [
+        [id(model.blocks[0]), id(model.blocks[2])]
+    ]
+    model.blocks[2].fc1.register_forward_hook(lambda *args: None)  # would be skipped
+    groups, why = _regions.find_groups(model)
+    assert groups == [] and "hooks" in why

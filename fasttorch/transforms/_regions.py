@@ -232,7 +232,7 @@ def find_groups(module: nn.Module) -> tuple[list[list[nn.Module]], str | None]:
         for blocks in by_key.values():
             if len(blocks) < 2:
                 continue
-            why = _why_not(blocks[0])
+            why = next(filter(None, map(_why_not, blocks)), None)  # a hook on any one
             if why is not None:
                 reason = reason or why
                 continue
