@@ -12,9 +12,11 @@ import torch
 __all__ = [
     "compile_backends",
     "compile_phase_seconds",
+    "compiled_in_place",
     "dynamo_counters",
     "dynamo_reset",
     "guard_failures",
+    "is_compile_error",
     "is_optimized_module",
     "recompile_budget",
     "recompile_budget_enforced",
@@ -55,6 +57,29 @@ def is_optimized_module(module: Any) -> bool:
     """
     optimized = getattr(getattr(torch._dynamo, "eval_frame", None), "OptimizedModule", None)
     return optimized is not None and isinstance(module, optimized)
+
+
+def compiled_in_place(module: Any) -> bool:
+    """Whether ``module.compile()`` was called on ``module`` (its ``__call__`` is compiled).
+
+    Why: ``compiled(regions=...)`` leaves such a block alone; ``nn.Module.compile`` keeps
+    the compiled call in the private ``_compiled_call_impl`` (``torch/nn/modules/module.py``),
+    with no public query. Read with ``getattr``: a release without it answers ``False``.
+    """
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def is_compile_error(err: BaseException) -> bool:
+    """Whether ``err`` is dynamo's or its backend's, raised while compiling a frame.
+
+    Why: ``compiled(regions="auto")`` compiles a step again without regions when the
+    first compile with them fails, and must tell such a failure (nothing ran yet, under
+    ``fullgraph=True``) from an error of the step itself. Dynamo's errors
+    (``Unsupported``, ``BackendCompilerFailed``, ``TorchRuntimeError``, ...) derive from
+    ``torch._dynamo.exc.TorchDynamoException``; ``FailOnRecompileLimitHit`` does not.
+    """
+    base = getattr(getattr(torch._dynamo, "exc", None), "TorchDynamoException", None)
+    return isinstance(base, type) and isinstance(err, base)
 
 
 def compile_backends() -> tuple[str, ...]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import types
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, overload
 
@@ -28,6 +27,8 @@ from fasttorch._recompiles import DEFAULT_LIMIT, Recompiles
 from fasttorch.phases import Batch, Metrics
 from fasttorch.state import TrainState, is_sharded, kept_leaves
 from fasttorch.steps import Runner, Step, check_wrap
+from fasttorch.transforms import _regions
+from fasttorch.transforms._code import own_code
 from fasttorch.transforms._cpu_gemm import CpuGemm
 from fasttorch.transforms._inductor_options import (
     _check_isa_cache,
@@ -76,6 +77,7 @@ def compiled(
     cpu_gemm: CpuGemm = "auto",
     recompile_limit: int = DEFAULT_LIMIT,
     cache_dir: str | os.PathLike[str] | None = None,
+    regions: bool | Literal["auto"] = "auto",
 ) -> Step: ...
 
 
@@ -91,6 +93,7 @@ def compiled(
     cpu_gemm: CpuGemm = "auto",
     recompile_limit: int = DEFAULT_LIMIT,
     cache_dir: str | os.PathLike[str] | None = None,
+    regions: bool | Literal["auto"] = "auto",
 ) -> _Fn: ...
 
 
@@ -105,6 +108,7 @@ def compiled(
     cpu_gemm: CpuGemm = "auto",
     recompile_limit: int = DEFAULT_LIMIT,
     cache_dir: str | os.PathLike[str] | None = None,
+    regions: bool | Literal["auto"] = "auto",
 ) -> Any:
     """Compile the whole step: forward, backward, loss scaling, clipping and update.
 
@@ -169,9 +173,16 @@ def compiled(
             same directory loads the first one's compiled graphs instead of generating
             code again (docs/transforms.md, "Warm starts"). It holds compiled code that
             later processes run: name only a directory you trust.
+        regions: ``True``, ``False`` or ``"auto"``: run the model's repeated blocks
+            (children of one ``nn.ModuleList``/``nn.Sequential``, same class, parameters
+            and settings, no buffers) as calls of one ``nested_compile_region``, traced
+            and compiled once for all layers. ``"auto"``: on the inductor backend when
+            every tensor is on CUDA; never on the CPU, where inductor's C++ wrapper
+            cannot call a region (docs/transforms.md, "Regional compilation").
 
     Raises:
-        ValueError: CUDA graphs asked for a step built with ``donate=False``.
+        ValueError: CUDA graphs asked for a step built with ``donate=False``; a
+            ``regions`` value this step or torch cannot honour.
 
     Example:
         >>> import torch, fasttorch
@@ -186,6 +197,7 @@ def compiled(
     if callable(getattr(step, "map_steps", None)):  # several models: compile each member's step
         given: dict[str, Any] = {"mode": mode, "fullgraph": fullgraph, "dynamic": dynamic}
         given.update(backend=backend, options=options, cpu_gemm=cpu_gemm, cache_dir=cache_dir)
+        given["regions"] = _regions.check_option(regions, transforms=(), several=True)
         return step.map_steps(lambda s: compiled(s, **given, recompile_limit=recompile_limit))
     _check_arguments(mode, backend, fullgraph, dynamic)
     _checks.count(
@@ -197,6 +209,11 @@ def compiled(
     opts: dict[str, Any] = {"fullgraph": fullgraph, "dynamic": dynamic, "backend": backend}
     opts["recompile_limit"] = recompile_limit
     opts["cache_dir"] = check_cache_dir(cache_dir, backend)
+    opts["regions"] = _regions.check_option(
+        regions,
+        transforms=step.transforms if isinstance(step, Step) else None,
+        cpp_wrapper=(options or {}).get("cpp_wrapper"),
+    )
     if mode is not None:
         opts["mode"] = mode
     options = _with_cpu_gemm(options, cpu_gemm, backend)
@@ -318,36 +335,6 @@ def _out_of_graph_pool(x: Any) -> Any:
 # --------------------------------------------------------------------------- machinery
 
 
-def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` (a function or bound method) over a fresh copy of its code object."""
-    if isinstance(fn, functools.partial):
-        # torch.compile runs a partial through one shared wrapper frame: a plain function
-        # with code of its own instead.
-        func, bound, named = fn.func, fn.args, fn.keywords
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return func(*bound, *args, **named, **kwargs)
-
-        functools.update_wrapper(call, func)
-        return own_code(call)
-    target = getattr(fn, "__func__", fn)
-    if not isinstance(target, types.FunctionType):
-        return fn
-    copy = types.FunctionType(
-        target.__code__.replace(),
-        target.__globals__,
-        target.__name__,
-        target.__defaults__,
-        target.__closure__,
-    )
-    copy.__kwdefaults__ = target.__kwdefaults__
-    copy.__qualname__ = target.__qualname__
-    copy.__dict__.update(target.__dict__)
-    if target is not fn:  # a bound method
-        return types.MethodType(copy, fn.__self__)  # type: ignore[attr-defined]
-    return copy
-
-
 def compile_step_fn(
     fn: Callable[..., Any],
     *,
@@ -382,6 +369,8 @@ def compile_step_fn(
         options = {**options, "options": dict(options["options"])}
     options = dict(options)
     limit = options.pop("recompile_limit", DEFAULT_LIMIT)
+    regions = options.pop("regions", False)
+    blocks: _regions.Blocks | None = None
     cache = options.pop("cache_dir", None)
     compiled_fn: Callable[..., Any] | None = None
     opts: dict[str, Any] = options
@@ -389,9 +378,10 @@ def compile_step_fn(
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        nonlocal compiled_fn, opts, recompiles
+        nonlocal compiled_fn, opts, recompiles, blocks
         if compiled_fn is None:  # on the first call, when the tensors' devices are known
             _check_optimizers(args)
+            blocks = _regions.choose(regions, args, options.get("backend", "inductor"))
             if cache is not None:
                 use_cache_dir(cache)
             opts = _without_cpu_only_passes(options, (args, kwargs))
@@ -399,9 +389,11 @@ def compile_step_fn(
                 _check_isa_cache()
                 probe_cpu_isa_early(opts)
             opts = _with_cacheable_autocast(_with_fusion_cap(opts))
-            if cpp_wrapper_on_cpu and _only_on_cpu((args, kwargs)):
+            if blocks is not None:
+                opts = _regions.without_cpp_wrapper(opts)
+            elif cpp_wrapper_on_cpu and _only_on_cpu((args, kwargs)):
                 opts = _with_cpp_wrapper(opts)
-            compiled_fn, recompiles = _watched(fn, opts, limit)
+            compiled_fn, recompiles = _watched(fn, opts, limit, blocks, regions)
             if uses_cudagraphs(opts) and not _on_cpu((args, kwargs)):
                 with _compat.recompile_budget(limit):
                     return _first_graph_call(compiled_fn, fn, args, kwargs, static_state)
@@ -430,7 +422,7 @@ def compile_step_fn(
                 )
                 inner = {**opts["options"], "cpp_wrapper_build_separate": False}
                 opts = {**opts, "options": inner}
-                compiled_fn, recompiles = _watched(fn, opts, limit)
+                compiled_fn, recompiles = _watched(fn, opts, limit, blocks, regions)
                 return compiled_fn(*args, **kwargs)
 
     return run
@@ -462,7 +454,11 @@ def _first_graph_call(
 
 
 def _watched(
-    fn: Callable[..., Any], opts: dict[str, Any], limit: int
+    fn: Callable[..., Any],
+    opts: dict[str, Any],
+    limit: int,
+    blocks: _regions.Blocks | None = None,
+    regions: object = False,
 ) -> tuple[Callable[..., Any], Recompiles]:
     """``torch.compile`` of ``fn``'s own code, with the record of its recompiles."""
     mine = own_code(fn)
@@ -475,7 +471,10 @@ def _watched(
             "config.fail_on_recompile_limit_hit): recompiles of a compiled step are not "
             "reported; run with TORCH_LOGS=recompiles to see them"
         )
-    return torch.compile(mine, **opts), Recompiles(name, limit, code)
+    out = torch.compile(mine, **opts)
+    if blocks is not None:  # "auto" falls back to no regions where they fail to compile
+        out = blocks.wrap(out, retry=regions == "auto" and opts.get("fullgraph") is True)
+    return out, Recompiles(name, limit, code)
 
 
 def _describe(fn: Callable[..., Any]) -> str:

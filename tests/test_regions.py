@@ -1,0 +1,336 @@
+"""``compiled(regions=...)``: a model's repeated blocks as calls of one nested compile region.
+
+A small model with three identical residual blocks: with regions the step equals the
+step without them bit for bit (the region runs the same operations) and both equal the
+hand-written loop; dynamo's graph calls one subgraph once per block; the user's module
+is left as it was, also when the call raises; blocks with buffers, a model without
+repeated blocks and ``"auto"`` on the CPU run without regions. aot_eager only.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from reference import assert_params_close, batches, mse, reference_run
+from tolerance import EXACT, params_atol, reference_error
+from torch import nn
+
+import fasttorch
+from fasttorch import _checks, _compat
+from fasttorch.transforms import _regions
+
+pytestmark = pytest.mark.skipif(
+    _regions.unavailable() is not None,
+    reason="regions need torch.compiler.nested_compile_region and torch.autograd.grad in "
+    "the graph (torch >= 2.12, _compat.AUTOGRAD_GRAD_IN_GRAPH)",
+)
+
+LR = 1e-2
+STEPS = 3
+INVOKE = torch.ops.higher_order.invoke_subgraph
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, norm: type[nn.Module] = nn.LayerNorm, p: float = 0.0):
+        super().__init__()
+        self.norm = norm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)))))
+
+
+class Deep(nn.Module):
+    """Input layer, ``depth`` residual blocks in an ``nn.ModuleList``, output layer."""
+
+    def __init__(
+        self, depth: int = 3, width: int = 16, norm: type[nn.Module] = nn.LayerNorm, p: float = 0.0
+    ):
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(Block(width, norm, p) for _ in range(depth))
+        self.out = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+class Graphs:
+    """A backend that keeps dynamo's graphs and runs them as aot_eager does."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+        self.fail = fail
+
+    def __call__(self, gm: torch.fx.GraphModule, example: list[torch.Tensor]):
+        self.graphs.append(gm)
+        if self.fail:
+            raise RuntimeError("boom in the backend")
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example)
+
+    def invokes(self) -> list[torch.fx.Node]:
+        return [n for g in self.graphs for n in g.graph.nodes if n.target is INVOKE]
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+
+
+def build(precision: str) -> fasttorch.Step:
+    s = fasttorch.step(mse)
+    if precision == "bf16":
+        s = fasttorch.clip_scaled(fasttorch.grad_accumulate(fasttorch.with_amp(s, "bf16"), 2), 1.0)
+    return s
+
+
+def train(model, step, data):
+    state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(LR, weight_decay=0.1))
+    for batch in data:
+        state, _ = step(state, batch)
+    return state
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_regions_equal_the_whole_step_and_the_hand_written_loop(precision):
+    torch.manual_seed(0)
+    model = Deep()
+    data = batches(STEPS, 16)
+    backends = {True: Graphs(), False: Graphs()}  # aot_eager, keeping dynamo's graphs
+    states = {
+        regions: train(
+            copy.deepcopy(model),
+            fasttorch.compiled(build(precision), backend=backend, regions=regions),
+            data,
+        )
+        for regions, backend in backends.items()
+    }
+    assert len(backends[True].invokes()) == 3 and backends[False].invokes() == []
+    # Rule 1: the region runs the same operations in the same order.
+    with_regions, without = states[True], states[False]
+    for k, p in without.params.items():
+        torch.testing.assert_close(with_regions.params[k], p, **EXACT)
+    for a, b in zip(
+        pytree.tree_leaves(with_regions.opt_state), pytree.tree_leaves(without.opt_state)
+    ):
+        torch.testing.assert_close(a, b, **EXACT)
+    # Rules 2 (+ 4 in bf16) against the hand-written loop, as tests/test_equivalence.py.
+    n, clip = (2, 1.0) if precision == "bf16" else (1, None)
+    windows = [list(zip(x.tensor_split(n), y.tensor_split(n))) for x, y in data]
+    ref, _ = reference_run(model, windows, make_opt=adamw, precision=precision, clip=clip)
+    error = reference_error(model, windows, make_opt=adamw, clip=clip)
+    atol = params_atol(error.params, without.params, precision=precision, steps=STEPS, lr=LR)
+    for state in (with_regions, without):
+        assert_params_close(state, ref, rtol=0, atol=atol)
+
+
+def test_dropout_inside_a_region_draws_what_the_whole_step_draws():
+    """Each block's dropout mask in a region is the one the inlined graph draws: the
+    region's dropout reads the state's generator (fasttorch._rng) in block order."""
+    torch.manual_seed(0)
+    model = Deep(p=0.3)
+    data = batches(STEPS, 16)
+    backends = {True: Graphs(), False: Graphs()}
+    states = {
+        regions: train(
+            copy.deepcopy(model),
+            fasttorch.compiled(build("bf16"), backend=backend, regions=regions),
+            data,
+        )
+        for regions, backend in backends.items()
+    }
+    assert len(backends[True].invokes()) == 3
+    for k, p in states[False].params.items():  # rule 1: the same operations and draws
+        torch.testing.assert_close(states[True].params[k], p, **EXACT)
+    assert torch.equal(states[True].rng, states[False].rng)
+
+
+def test_the_block_is_traced_once_and_called_once_per_block_without_recompiles():
+    torch.manual_seed(0)
+    backend = Graphs()
+    step = fasttorch.compiled(fasttorch.step(mse), backend=backend, regions=True)
+    state = fasttorch.TrainState.create(Deep(), fasttorch.optim.adamw(LR))
+    data = batches(STEPS, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fasttorch.RecompileWarning)
+        state, _ = step(state, data[0])
+        traced = len(backend.graphs)
+        for batch in data[1:]:
+            state, _ = step(state, batch)
+    assert len(backend.graphs) == traced == 1
+    calls = backend.invokes()
+    assert len(calls) == 3
+    assert len({n.args[0].target for n in calls}) == 1  # one subgraph, called three times
+    subgraphs = [name for name, _ in backend.graphs[0].named_children()]
+    assert len(subgraphs) == 1
+    assert _compat.dynamo_counters()["stats"]["unique_graphs"] == 1
+
+
+def _untouched(model: Deep, reference: Deep) -> None:
+    for block in model.blocks:
+        assert "forward" not in vars(block)
+        assert block.forward.__func__ is type(block).forward
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(model(x), reference(x), **EXACT)  # rule 1: the same module
+
+
+def test_the_users_module_is_left_as_it_was_also_when_the_call_raises():
+    torch.manual_seed(0)
+    model = Deep()
+    reference = copy.deepcopy(model)
+    step = fasttorch.compiled(fasttorch.step(mse, donate=False), backend="aot_eager", regions=True)
+    state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(LR))
+    step(state, batches(1, 16)[0])
+    _untouched(model, reference)  # donate=False: the model's tensors are the state's
+
+    def fails(apply, batch):
+        apply(batch[0])
+        raise RuntimeError("boom inside the loss")
+
+    bad = fasttorch.compiled(fasttorch.step(fails, donate=False), backend="aot_eager", regions=True)
+    with pytest.raises(Exception, match="boom inside the loss"):
+        bad(state, batches(1, 16)[0])
+    _untouched(model, reference)
+    # Raised once the blocks were traced as regions (the graph holds them).
+    backend = Graphs(fail=True)
+    bad = fasttorch.compiled(fasttorch.step(mse, donate=False), backend=backend, regions=True)
+    with pytest.raises(Exception, match="boom in the backend"):
+        bad(state, batches(1, 16)[0])
+    assert len(backend.invokes()) == 3
+    _untouched(model, reference)
+
+
+def test_blocks_with_buffers_run_without_regions():
+    torch.manual_seed(0)
+    _checks.warn_once.cache_clear()
+    data = batches(1, 16)
+    for regions in ("auto", True):
+        backend = Graphs()
+        step = fasttorch.compiled(fasttorch.step(mse), backend=backend, regions=regions)
+        state = fasttorch.TrainState.create(Deep(norm=nn.BatchNorm1d), fasttorch.optim.adamw(LR))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step(state, data[0])
+        said = [str(w.message) for w in caught if "regions" in str(w.message)]
+        if regions == "auto":
+            assert said == []
+        else:
+            assert len(said) == 1 and "buffers" in said[0] and "BatchNorm" in said[0]
+        assert backend.invokes() == []
+
+
+def test_a_model_without_repeated_blocks_is_said_with_regions_true():
+    torch.manual_seed(0)
+    _checks.warn_once.cache_clear()
+    backend = Graphs()
+    step = fasttorch.compiled(fasttorch.step(mse), backend=backend, regions=True)
+    state = fasttorch.TrainState.create(Deep(depth=1), fasttorch.optim.adamw(LR))
+    with pytest.warns(UserWarning, match="no repeated blocks"):
+        step(state, batches(1, 16)[0])
+    assert backend.invokes() == []
+
+
+def test_auto_on_the_cpu_does_not_use_regions():
+    torch.manual_seed(0)
+    backend = Graphs()
+    step = fasttorch.compiled(fasttorch.step(mse), backend=backend)  # regions="auto"
+    state = fasttorch.TrainState.create(Deep(), fasttorch.optim.adamw(LR))
+    step(state, batches(1, 16)[0])
+    assert backend.graphs and backend.invokes() == []
+    # The policy itself: inductor on CUDA yes; the CPU, other backends, mixed devices no.
+    assert _regions.wanted("auto", {"cuda"}, 3, "inductor")
+    assert not _regions.wanted("auto", {"cpu"}, 48, "inductor")
+    assert not _regions.wanted("auto", {"cuda"}, 3, "aot_eager")
+    assert not _regions.wanted("auto", {"cuda", "cpu"}, 3, "inductor")
+    assert _regions.wanted(True, {"cpu"}, 3, "aot_eager")
+
+
+def test_regions_true_on_the_cpu_turns_the_cpp_wrapper_off():
+    opts = {"backend": "inductor", "options": {"max_autotune": False}}
+    assert _regions.without_cpp_wrapper(opts)["options"] == {
+        "max_autotune": False,
+        "cpp_wrapper": False,
+    }
+    assert _regions.without_cpp_wrapper({"backend": "aot_eager"}) == {"backend": "aot_eager"}
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None, "True"])
+def test_an_unknown_value_is_refused_at_wrap_time(value):
+    with pytest.raises(ValueError, match=r"regions must be True, False or 'auto'; got"):
+        fasttorch.compiled(fasttorch.step(mse), backend="aot_eager", regions=value)
+
+
+def test_regions_true_is_refused_where_it_cannot_apply():
+    def custom(state, batch):
+        return state, {}
+
+    with pytest.raises(ValueError, match="custom"):
+        fasttorch.compiled(custom, backend="aot_eager", regions=True)
+    with pytest.raises(ValueError, match="cpp_wrapper"):
+        fasttorch.compiled(fasttorch.step(mse), options={"cpp_wrapper": True}, regions=True)
+    vm = fasttorch.vmapped(fasttorch.step(mse), 2)
+    with pytest.raises(ValueError, match="vmapped"):
+        fasttorch.compiled(vm, backend="aot_eager", regions=True)
+    fasttorch.compiled(vm, backend="aot_eager")  # "auto": compiled without regions
+    pair = fasttorch.several({"a": fasttorch.step(mse), "b": fasttorch.step(mse)})
+    with pytest.raises(ValueError, match="several models"):
+        fasttorch.compiled(pair, backend="aot_eager", regions=True)
+
+
+class RefusesRegions(Graphs):
+    """aot_eager, except for a graph that calls a region (a compiler that cannot)."""
+
+    def __call__(self, gm: torch.fx.GraphModule, example: list[torch.Tensor]):
+        self.graphs.append(gm)
+        if any(n.target is INVOKE for n in gm.graph.nodes):
+            raise NotImplementedError("no regions here")
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager(gm, example)
+
+
+def test_auto_compiles_without_regions_where_they_fail_to_compile(monkeypatch):
+    monkeypatch.setattr(_regions, "wanted", lambda *args: True)  # "auto" on, here
+    _checks.warn_once.cache_clear()
+    torch.manual_seed(0)
+    model = Deep()
+    data = batches(2, 16)
+    backend = RefusesRegions()
+    step = fasttorch.compiled(fasttorch.step(mse), backend=backend)
+    with pytest.warns(UserWarning, match="compiled without them"):
+        state = train(copy.deepcopy(model), step, data)
+    assert len(backend.graphs) == 2  # with regions (refused), then without: no more
+    assert len(backend.invokes()) == 3 and not any(
+        n.target is INVOKE for n in backend.graphs[1].graph.nodes
+    )
+    plain = train(
+        copy.deepcopy(model), fasttorch.compiled(fasttorch.step(mse), backend="aot_eager"), data
+    )
+    for k, p in plain.params.items():  # rule 1: the same graph
+        torch.testing.assert_close(state.params[k], p, **EXACT)
+    # regions=True raises instead.
+    strict = fasttorch.compiled(fasttorch.step(mse), backend=RefusesRegions(), regions=True)
+    with pytest.raises(Exception, match="no regions here"):
+        train(copy.deepcopy(model), strict, data)
+
+
+def test_blocks_are_grouped_by_class_tensors_and_settings():
+    model = Deep()
+    assert [len(g) for g in _regions.find_groups(model)[0]] == [3]
+    model.blocks[1].fc1.window = 4  # a per-layer setting: blocks 0 and 2 still match
+    assert [[id(b) for b in g] for g in _regions.find_groups(model)[0]] == [
+        [id(model.blocks[0]), id(model.blocks[2])]
+    ]
+    model.blocks[2].fc1.register_forward_hook(lambda *args: None)  # would be skipped
+    groups, why = _regions.find_groups(model)
+    assert groups == [] and "hooks" in why
