@@ -13,13 +13,12 @@ autocast, 4 microbatches, clip to norm 1, AdamW):
   its own;
 * ``warm``: ``step`` again in a new process with the previous ``step``'s ``cache_dir``
   (its own ``TORCHINDUCTOR_CACHE_DIR`` fresh): a restarted job;
-* ``regional`` (at the larger depth only): ``step`` with each of the GPT's blocks run as
-  a call of one ``torch.compiler.nested_compile_region`` (regional compilation, public
-  API only: the region runs a parameterless copy of the block class under
-  ``torch.func.functional_call`` with each block's own tensors), and inductor's Python
-  wrapper, since its C++ wrapper cannot call a subgraph (``NotImplementedError`` in
-  torch 2.13's ``cpp_wrapper_cpu.codegen_invoke_subgraph``). ``compiled`` does not do
-  this itself: this row is the measurement that decided it (docs/design.md).
+* ``regional`` (at the larger depth only): ``compiled(..., regions=True)``, each of the
+  GPT's blocks a call of one ``torch.compiler.nested_compile_region``, traced and
+  compiled once, with inductor's Python wrapper, since its C++ wrapper cannot call a
+  subgraph (``NotImplementedError`` in torch 2.13's
+  ``cpp_wrapper_cpu.codegen_invoke_subgraph``); ``regions="auto"`` leaves it off on the
+  CPU, and this row is the measurement behind that (docs/design.md).
 
 Within a round the processes run one after the other, depths interleaved (``model`` and
 ``step`` at each depth, then ``warm``), so load on the machine hits them alike; the
@@ -91,32 +90,6 @@ def _model_loop(model: Any, backend: str) -> Any:
     return run
 
 
-def _regional(model: Any) -> None:
-    """Each block of ``model.blocks`` as a call of one nested compile region.
-
-    The region is traced and compiled once and called once per block with that block's
-    parameters as arguments: free tensors made inside the step's graph (the state's
-    leaves that ``functional_call`` swaps in) cannot be a region's free variables.
-    """
-    import copy
-
-    import torch
-    from torch.func import functional_call
-
-    template = copy.deepcopy(model.blocks[0]).to("meta")  # its tensors are always swapped
-
-    def run(tensors: dict[str, Any], x: Any) -> Any:
-        return functional_call(template, tensors, (x,))
-
-    region = torch.compiler.nested_compile_region(run)
-    for block in model.blocks:
-
-        def forward(x: Any, block: Any = block) -> Any:
-            return region(dict(block.named_parameters()), x)
-
-        block.forward = forward
-
-
 def _fasttorch_step(model: Any, backend: str, cache: str | None, regional: bool = False) -> Any:
     import fasttorch
 
@@ -124,11 +97,7 @@ def _fasttorch_step(model: Any, backend: str, cache: str | None, regional: bool 
     inner = fasttorch.with_amp(fasttorch.step(_loss), "bf16")
     step = fasttorch.clip_scaled(fasttorch.grad_accumulate(inner, ACCUM), 1.0)
     kwargs: dict[str, Any] = {"cache_dir": cache} if backend == "inductor" else {}
-    if regional:
-        _regional(model)
-        if backend == "inductor":
-            kwargs["options"] = {"cpp_wrapper": False}
-    fast = fasttorch.compiled(step, backend=backend, **kwargs)
+    fast = fasttorch.compiled(step, backend=backend, regions=regional, **kwargs)
 
     def run(batch: Any) -> None:
         state[0], _ = fast(state[0], batch)
@@ -223,7 +192,7 @@ def table(rows: list[dict[str, Any]], depths: tuple[int, int]) -> str:
         ("model", "`torch.compile(model)`"),
         ("step", "`fasttorch.compiled`"),
         ("warm", "`fasttorch.compiled`, warm"),
-        ("regional", "`fasttorch.compiled`, blocks as one nested compile region"),
+        ("regional", "`fasttorch.compiled(..., regions=True)`"),
     ):
         for layers in depths:
             if not get(kind, layers, "first"):
@@ -290,10 +259,11 @@ def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
         "`torch.compile(model)`: the hand-written loop over the compiled model. "
         "`fasttorch.compiled`: the whole step (forward, backward, accumulation, clip, "
         "AdamW) in its two graphs. Regional (the larger depth only): the same step with "
-        "each of the GPT's blocks a call of one `torch.compiler.nested_compile_region` "
-        "and inductor's Python wrapper (its C++ wrapper cannot call a subgraph); not what "
-        '`compiled` does (docs/design.md, "Recompiles, warm starts, regional '
-        'compilation"). Warm: the same step in a new process given the first '
+        "`compiled(..., regions=True)`, each of the GPT's blocks a call of one "
+        "`torch.compiler.nested_compile_region`, with inductor's Python wrapper (its C++ "
+        'wrapper cannot call a subgraph); on the CPU `regions="auto"` leaves it off '
+        '(docs/design.md, "Recompiles, warm starts, regional compilation"). Warm: the '
+        "same step in a new process given the first "
         'one\'s `cache_dir` (docs/transforms.md, "Warm starts"). First step: the first '
         "call's wall time, compile included; dynamo: tracing time in it "
         "(`compile_inner` minus the backend); backend: AOT autograd and inductor inside "
