@@ -278,6 +278,9 @@ def test_regions_true_is_refused_where_it_cannot_apply():
         fasttorch.compiled(custom, backend="aot_eager", regions=True)
     with pytest.raises(ValueError, match="cpp_wrapper"):
         fasttorch.compiled(fasttorch.step(mse), options={"cpp_wrapper": True}, regions=True)
+    with pytest.raises(ValueError, match="backend 'eager'.*aot_eager"):
+        fasttorch.compiled(fasttorch.step(mse), backend="eager", regions=True)
+    fasttorch.compiled(fasttorch.step(mse), backend="eager")  # "auto": no regions there
     vm = fasttorch.vmapped(fasttorch.step(mse), 2)
     with pytest.raises(ValueError, match="vmapped"):
         fasttorch.compiled(vm, backend="aot_eager", regions=True)
@@ -334,3 +337,22 @@ def test_blocks_are_grouped_by_class_tensors_and_settings():
     model.blocks[2].fc1.register_forward_hook(lambda *args: None)  # would be skipped
     groups, why = _regions.find_groups(model)
     assert groups == [] and "hooks" in why
+
+
+@pytest.mark.slow
+def test_regions_compile_with_inductor_and_train_as_the_hand_written_loop():
+    """The one inductor test: a region's forward and backward subgraphs built with the
+    Python wrapper (the C++ one cannot call them) train the model as the loop does."""
+    torch.manual_seed(0)
+    model = Deep()
+    data = batches(2, 16)
+    step = fasttorch.compiled(fasttorch.step(mse), regions=True)
+    _checks.warn_once.cache_clear()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=r"compiled\(regions=True\)")  # not refused
+        state = train(copy.deepcopy(model), step, data)
+    assert _regions._CACHE.get(state.module) is not None  # the blocks ran as regions
+    windows = [[b] for b in data]
+    ref, _ = reference_run(model, windows, make_opt=adamw)
+    error = reference_error(model, windows, make_opt=adamw)
+    assert_params_close(state, ref, rtol=0, atol=params_atol(error.params, state.params))

@@ -102,6 +102,7 @@ def check_option(
     transforms: tuple[str, ...] | None,
     cpp_wrapper: object = None,
     several: bool = False,
+    backend: object = "inductor",
 ) -> RegionsOption:
     """The ``regions`` option a step is compiled with; raise now where ``True`` cannot be
     honoured (wrap time).
@@ -109,6 +110,7 @@ def check_option(
     ``transforms``: the step's, or ``None`` for a custom callable (no model is known to
     it). ``cpp_wrapper``: the caller's inductor option of that name. ``several``: the
     step of several models (not supported: each member's step is compiled without).
+    ``backend``: ``torch.compile``'s (``"eager"`` cannot run a region).
     """
     if not (
         regions is True or regions is False or (isinstance(regions, str) and regions == "auto")
@@ -126,6 +128,12 @@ def check_option(
     why = unavailable()
     if why is None and where is not None:
         why = f"regions are for one model's step built by fasttorch.step, not {where}"
+    if why is None and backend == "eager":
+        why = (
+            "backend 'eager' runs dynamo's graph without AOT autograd, and a region is a "
+            "higher-order op that needs it (AssertionError: fake_mode should be enabled "
+            "for HOPs); use backend='aot_eager' to check graph capture"
+        )
     if why is None and cpp_wrapper:
         why = (
             "options={'cpp_wrapper': True} was given, and inductor's C++ wrapper cannot "

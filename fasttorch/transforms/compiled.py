@@ -213,6 +213,7 @@ def compiled(
         regions,
         transforms=step.transforms if isinstance(step, Step) else None,
         cpp_wrapper=(options or {}).get("cpp_wrapper"),
+        backend=backend,
     )
     if mode is not None:
         opts["mode"] = mode
