@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any, TypeAlias
 
 import torch
@@ -149,7 +149,7 @@ def tied_names(module: nn.Module) -> Ties:
 
 def call_with(
     module: nn.Module,
-    tensors: tuple[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]],
+    tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
     ties: Ties | None,
     args: Any,
     kwargs: Any,
