@@ -57,10 +57,10 @@ RegionsOption: TypeAlias = "bool | Literal['auto']"
 
 # "auto" on a step whose tensors are all on the CPU uses regions from this many blocks
 # on; None: never. Inductor's C++ wrapper cannot call a subgraph, so a CPU graph with
-# regions goes back to the Python wrapper and one C++ file per kernel: slower to
-# compile at 8 layers (226 s against 116 s), faster at 24 (167 s against 285 s), with
-# the crossing not measured (docs/design.md, "Recompiles, warm starts, regional
-# compilation").
+# regions goes back to the Python wrapper, which calls each kernel from Python: on the
+# benchmark GPT a shorter cold compile at 4, 12 and 24 layers, but a 4-layer step 1.29x
+# as long (12 and 24 layers: faster), the crossing not located and other model shapes
+# not measured (docs/design.md, "Recompiles, warm starts, regional compilation").
 CPU_AUTO_MIN_BLOCKS: int | None = None
 
 _VALID = "True, False or 'auto'"
