@@ -140,7 +140,9 @@ def _checked(
     static = step.donate
     if isinstance(step.jit, Compiler):
         options = {
-            k: step.jit.options[k] for k in ("fullgraph", "dynamic") if k in step.jit.options
+            k: step.jit.options[k]
+            for k in ("fullgraph", "dynamic", "regions")
+            if k in step.jit.options
         }
         return attrs.evolve(step, jit=jit)
     runner = step.runner if isinstance(step.runner, GraphCall) else GraphCall(step.runner)

@@ -356,3 +356,17 @@ def test_regions_compile_with_inductor_and_train_as_the_hand_written_loop():
     ref, _ = reference_run(model, windows, make_opt=adamw)
     error = reference_error(model, windows, make_opt=adamw)
     assert_params_close(state, ref, rtol=0, atol=params_atol(error.params, state.params))
+
+
+def test_cuda_graphs_capture_a_step_with_regions():
+    """Inductor's own CUDA graph predicate, run on the CPU (fasttorch.testing.check_cudagraphs),
+    accepts the microbatch and update graphs of a step whose blocks are regions."""
+    torch.manual_seed(0)
+    model = Deep()
+    state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(LR))
+    step = fasttorch.clip_scaled(fasttorch.grad_accumulate(fasttorch.step(mse), 2), 1.0)
+    step = fasttorch.compiled(step, backend="aot_eager", regions=True)
+    reports = fasttorch.testing.check_cudagraphs(step, state, batches(3, 16))
+    assert _regions._CACHE.get(model) is not None  # judged with the blocks as regions
+    assert [r.name for r in reports] == ["micro", "close"]
+    assert all(r.captured and not r.reasons for r in reports), reports
