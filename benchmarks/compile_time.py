@@ -264,9 +264,11 @@ def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
         'wrapper cannot call a subgraph); on the CPU `regions="auto"` leaves it off '
         '(docs/design.md, "Recompiles, warm starts, regional compilation"). Warm: the '
         "same step in a new process given the first "
-        'one\'s `cache_dir` (docs/transforms.md, "Warm starts"). First step: the first '
+        'one\'s `cache_dir` (docs/transforms.md, "Warm starts"): it loads the traced '
+        "step the first process kept there, so dynamo does not run. First step: the first "
         "call's wall time, compile included; dynamo: tracing time in it "
-        "(`compile_inner` minus the backend); backend: AOT autograd and inductor inside "
+        "(`compile_inner` and, for a step traced to be kept, `fullgraph_capture`, minus the "
+        "backend); backend: AOT autograd and inductor inside "
         "dynamo (the model's backward compiles outside it, at the first `backward`).",
         "",
     ]

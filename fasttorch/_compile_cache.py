@@ -15,13 +15,25 @@ trust, as for ``TORCHINDUCTOR_CACHE_DIR``. Nothing is written outside it.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import platform
+import sys
+import types
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
 
 from fasttorch import _compat
 from fasttorch._checks import warn_once
+from fasttorch._fingerprint import fingerprint
+from fasttorch.state import TrainState
 
-__all__ = ["check_cache_dir", "use_cache_dir"]
+__all__ = ["STEPS_DIR", "check_cache_dir", "precompiled", "use_cache_dir"]
 
 
 def check_cache_dir(value: Any, backend: Any) -> str | None:
@@ -61,3 +73,181 @@ def use_cache_dir(path: str) -> None:
             f"compiled: cache_dir={path!r} is given but {off} is off in this process, so "
             "nothing is kept for a warm start. Turn it back on to use the cache"
         )
+
+
+# -- The traced step itself, kept beside inductor's cache --------------------------------
+
+STEPS_DIR = "fasttorch-steps"
+
+# How many traced functions this process kept in and loaded from cache directories.
+counts = {"kept": 0, "loaded": 0}
+
+
+def precompiled(
+    fn: Callable[..., Any],
+    mine: Callable[..., Any],
+    opts: dict[str, Any],
+    path: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    fallback: Callable[..., Any],
+    installed: Callable[[tuple[Any, ...]], AbstractContextManager[Any]] | None = None,
+) -> Callable[..., Any] | None:
+    """``mine`` (``fn`` over its own code) traced once and kept under ``path``, or loaded.
+
+    A later process that builds the same step (equal :func:`fasttorch._fingerprint`
+    digest of the function, its closure, the arguments' metadata, the compile options and
+    settings, the torch, fasttorch and Python versions and the CPU or GPU) loads dynamo's
+    bytecode, its tensor guards and the compiled forward and backward instead of
+    tracing. A call whose tensors the guards reject (another shape), or after a module
+    changed its training mode, goes to ``fallback`` (the ordinary ``torch.compile`` of
+    the function, which compiles for it as a recompile would), with a warning.
+    ``None`` where the function cannot be kept (``compiled`` then compiles as before and
+    says why, once). ``installed``: the context (regional compilation's blocks, given the
+    call's arguments) that the function is traced and called in.
+    """
+    func = getattr(mine, "__func__", mine)
+    if not isinstance(func, types.FunctionType) or func is not mine:
+        return None
+    with _compat.tracing_autograd_ops():  # the settings the step is traced under
+        return _precompiled(fn, func, mine, opts, path, args, kwargs, fallback, installed)
+
+
+def _precompiled(
+    fn: Callable[..., Any],
+    func: types.FunctionType,
+    mine: Callable[..., Any],
+    opts: dict[str, Any],
+    path: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    fallback: Callable[..., Any],
+    installed: Callable[[tuple[Any, ...]], AbstractContextManager[Any]] | None,
+) -> Callable[..., Any] | None:
+    name = _describe_fn(fn)
+    within = installed or (lambda _: contextlib.nullcontext())
+    external = {f"cell{i}": c.cell_contents for i, c in enumerate(func.__closure__ or ())}
+    file = os.path.join(
+        path, STEPS_DIR, f"{_slug(name)}-{_key(fn, opts, args, kwargs, installed is not None)}.bin"
+    )
+    loaded = None
+    if os.path.exists(file):
+        try:
+            loaded = _compat.load_precompiled(file, func.__globals__, external)
+            counts["loaded"] += 1
+        except Exception as err:
+            warn_once(
+                f"compiled: cache_dir holds a traced {name} ({file}) that this process "
+                f"cannot load ({type(err).__name__}: {_first_line(err)}); tracing it again "
+                "and replacing the file"
+            )
+    if loaded is None:
+        inner = {**opts.get("options", {}), "guard_filter_fn": _compat.portable_guards}
+        try:
+            ahead = torch.compile(mine, **{**opts, "options": inner})
+            with within(args):
+                loaded = _compat.precompile(ahead, args, kwargs)
+        except Exception as err:
+            warn_once(
+                f"compiled: the {name} cannot be kept in cache_dir as a traced graph "
+                f"({type(err).__name__}: {_first_line(err)}); it is compiled as without "
+                "cache_dir's traced graphs, and a new process traces it again (inductor's "
+                "compiled code is still reused)"
+            )
+            return None
+        loaded.disable_guard_check()
+        try:
+            os.makedirs(os.path.dirname(file), exist_ok=True)
+            _compat.save_precompiled(loaded, file, external)
+            counts["kept"] += 1
+        except Exception as err:
+            warn_once(
+                f"compiled: could not write the traced {name} to {file} "
+                f"({type(err).__name__}: {_first_line(err)}); a new process traces it again"
+            )
+    return _Guarded(loaded, fallback, name, _modes(args), within)
+
+
+class _Guarded:
+    """A loaded traced function, its tensor guards checked at every call."""
+
+    def __init__(
+        self,
+        fn: Any,
+        fallback: Callable[..., Any],
+        name: str,
+        modes: tuple[bool, ...],
+        within: Callable[[tuple[Any, ...]], AbstractContextManager[Any]],
+    ):
+        self.fn, self.fallback, self.name, self.modes = fn, fallback, name, modes
+        self.within = within
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.within(args):
+            why = _compat.precompiled_guard_failure(self.fn, args, kwargs)
+            if why is None and _modes(args) != self.modes:
+                why = "a module's training mode changed (train() or eval() on the model)"
+            if why is None:
+                return self.fn(*args, **kwargs)
+        warn_once(
+            f"compiled: the traced {self.name} from cache_dir does not fit this call "
+            f"({_first_line(why)}); compiling one for it, as a recompile would. Keep "
+            "shapes fixed (drop_last=True) to avoid it"
+        )
+        return self.fallback(*args, **kwargs)
+
+
+def _modes(args: tuple[Any, ...]) -> tuple[bool, ...]:
+    """The training mode of every submodule of each state's template module."""
+    out: list[bool] = []
+    for a in args:
+        module = getattr(a, "module", None) if isinstance(a, TrainState) else None
+        if isinstance(module, torch.nn.Module):
+            out += [m.training for m in module.modules()]
+    return tuple(out)
+
+
+def _key(
+    fn: Any, opts: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any], regions: bool
+) -> str:
+    import fasttorch
+
+    devices = sorted({str(t.device) for t in _tensors((args, kwargs))})
+    gpus = [
+        (d, torch.cuda.get_device_name(d), torch.cuda.get_device_capability(d))
+        for d in devices
+        if d.startswith("cuda")
+    ]
+    env = (
+        torch.__version__,
+        fasttorch.__version__,
+        sys.version,
+        platform.machine(),
+        torch.backends.cpu.get_cpu_capability(),
+        os.environ.get("ATEN_CPU_CAPABILITY"),
+        gpus,
+        _compat.compile_settings(),
+    )
+    return fingerprint(fn, args, kwargs, opts, regions, env)[:40]
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _describe_fn(fn: Any) -> str:
+    bound: tuple[Any, ...] = ()
+    if isinstance(fn, functools.partial):
+        bound, fn = fn.args, fn.func
+    name = getattr(fn, "__name__", type(fn).__name__).lstrip("_")
+    owner = getattr(bound[0], "name", None) if bound else None
+    return f"step {owner!r}'s function {name!r}" if isinstance(owner, str) else f"function {name!r}"
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text).strip("-")[:60]
+
+
+def _first_line(err: object) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else ""

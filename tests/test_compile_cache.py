@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -11,34 +13,54 @@ import pytest
 from reference import mse
 
 import fasttorch
+from fasttorch._compile_cache import STEPS_DIR
 
-# One process: a tiny MLP step compiled with inductor, one call; prints the process's
-# FX graph cache hits and misses (a miss is a graph inductor generated code for), and
-# the new parameters.
+# One process: a tiny MLP step (two microbatches: two compiled functions) compiled with
+# inductor; prints what the process compiled, traced and loaded, its warnings, and the
+# new parameters after each call. argv: the cache directory and a JSON configuration.
 CHILD = """
-import json, sys, torch, fasttorch
-from fasttorch import _compat
+import json, sys, warnings, torch, fasttorch
+from fasttorch import _compat, _compile_cache
+warnings.simplefilter("always")
+torch.set_num_threads(1)
+cfg = json.loads(sys.argv[2])
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(1e-2))
+state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(cfg.get("lr", 1e-2)))
 def mse(apply, batch):
     return torch.nn.functional.mse_loss(apply(batch[0]), batch[1])
-step = fasttorch.step(mse)
-if sys.argv[2] != "fp32":
-    step = fasttorch.with_amp(step, sys.argv[2])
-step = fasttorch.compiled(step, cache_dir=sys.argv[1])
-state, _ = step(state, (torch.randn(16, 8), torch.randn(16, 4)))
-out = {**_compat.inductor_cache_counts(), "params": [p.tolist() for p in state.params.values()]}
+step = fasttorch.grad_accumulate(fasttorch.step(mse), 2)
+if cfg.get("precision", "fp32") != "fp32":
+    step = fasttorch.with_amp(step, cfg["precision"])
+step = fasttorch.compiled(step, cache_dir=sys.argv[1], fullgraph=cfg.get("fullgraph", True))
+params = []
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for rows in cfg.get("rows", [16]):
+        state, _ = step(state, (torch.randn(rows, 8), torch.randn(rows, 4)))
+        params.append([p.tolist() for p in state.params.values()])
+out = {
+    **_compat.inductor_cache_counts(),
+    **_compile_cache.counts,
+    "dynamo": _compat.compile_phase_seconds()["dynamo"],
+    # (each process's own TORCHINDUCTOR_CACHE_DIR is replaced, as it should be, with a
+    # warning: left out)
+    "warnings": [
+        str(w.message) for w in caught
+        if "compiled:" in str(w.message) and "replaces TORCHINDUCTOR" not in str(w.message)
+    ],
+    "params": params,
+}
 print(json.dumps(out))
 """
 
 
-def _process(cache: str, own: str, precision: str = "fp32") -> dict:
+def _process(cache: str, own: str, **cfg: object) -> dict:
     # Each process gets a fresh TORCHINDUCTOR_CACHE_DIR of its own: only cache_dir can
     # share anything between them.
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": own}
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, cache, precision],
+        [sys.executable, "-c", CHILD, cache, json.dumps(cfg)],
         env=env,
         capture_output=True,
         text=True,
@@ -49,28 +71,98 @@ def _process(cache: str, own: str, precision: str = "fp32") -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _kept(cache: str) -> list[str]:
+    return sorted(os.listdir(os.path.join(cache, STEPS_DIR)))
+
+
+@pytest.fixture(scope="module")
+def cold(tmp_path_factory):
+    """A first process's cache directory, its report, and a factory of copies of it."""
+    root = tmp_path_factory.mktemp("cold")
+    cache = str(root / "cache")
+    report = _process(cache, str(root / "own"))
+
+    def copy(name: str) -> str:
+        dest = str(root / name)
+        shutil.copytree(cache, dest)
+        return dest
+
+    return cache, report, copy
+
+
 @pytest.mark.slow
-def test_second_process_loads_the_first_ones_compile(tmp_path):
-    cache = str(tmp_path / "cache")
-    first = _process(cache, str(tmp_path / "own1"))
-    second = _process(cache, str(tmp_path / "own2"))
-    assert first["miss"] >= 1 and first["hit"] == 0, first
-    assert second["miss"] == 0 and second["hit"] >= 1, second  # no code generated
-    assert second["params"] == first["params"]
-    assert os.listdir(cache) and not os.listdir(tmp_path / "own2")
+def test_second_process_loads_the_traced_step_and_traces_nothing(cold, tmp_path):
+    cache, first, copy = cold
+    assert first["kept"] == 2 and first["loaded"] == 0, first  # the microbatch, the update
+    assert first["dynamo"] > 0 and first["warnings"] == [], first
+    assert len(_kept(cache)) == 2
+    # A copy of the directory, elsewhere: where the cache is is not part of the key.
+    second = _process(copy("copy-warm"), str(tmp_path / "own2"))
+    assert second["loaded"] == 2 and second["kept"] == 0, second
+    assert second["dynamo"] == 0 and second["miss"] == 0, second  # no tracing, no codegen
+    assert second["warnings"] == [], second
+    assert second["params"] == first["params"]  # the same compiled code: the same bits
+    assert not os.listdir(tmp_path / "own2")
+
+
+@pytest.mark.slow
+def test_a_loaded_step_falls_back_when_its_tensor_guards_fail(cold, tmp_path):
+    _, first, copy = cold
+    # The second call's batch has another number of rows: the kept graph's tensor guards
+    # reject it, and the step compiles for it as a recompile would, saying so.
+    out = _process(copy("copy-shape"), str(tmp_path / "own"), rows=[16, 12])
+    assert out["loaded"] == 2 and out["params"][0] == first["params"][0], out
+    assert any("does not fit this call" in w for w in out["warnings"]), out["warnings"]
+    assert all(math.isfinite(x) for p in out["params"][1] for x in _flat(p))
+
+
+@pytest.mark.slow
+def test_a_changed_step_is_traced_again_not_loaded(cold, tmp_path):
+    _, first, copy = cold
+    cache = copy("copy-lr")
+    out = _process(cache, str(tmp_path / "own"), lr=3e-2)  # a hyperparameter, in no tensor
+    assert out["loaded"] == 0 and out["kept"] == 2, out
+    assert len(_kept(cache)) == 4
+    assert out["params"] != first["params"]
+
+
+@pytest.mark.slow
+def test_an_unreadable_kept_step_is_traced_again_with_a_warning(cold, tmp_path):
+    _, first, copy = cold
+    cache = copy("copy-broken")
+    for name in _kept(cache):
+        with open(os.path.join(cache, STEPS_DIR, name), "r+b") as f:
+            f.truncate(100)
+    out = _process(cache, str(tmp_path / "own"))
+    assert out["loaded"] == 0 and out["kept"] == 2, out
+    assert sum("cannot load" in w for w in out["warnings"]) == 2, out["warnings"]
+    assert out["params"] == first["params"]
+    # Replaced: a further process loads them.
+    again = _process(cache, str(tmp_path / "own-again"))
+    assert again["loaded"] == 2 and again["params"] == first["params"], again
 
 
 @pytest.mark.slow
 def test_a_mixed_precision_step_skips_aot_autograd_in_the_second_process(tmp_path):
-    # An autocast region in the graph made AOT autograd's cache refuse it ("Unsupported
-    # call_function target _enter_autocast"): each warm process traced the forward and
-    # backward again before the FX graph cache handed back the code.
+    # Without the traced step kept (fullgraph=False), a warm start loads through AOT
+    # autograd's and inductor's caches. An autocast region in the graph made AOT
+    # autograd's cache refuse it ("Unsupported call_function target _enter_autocast"):
+    # each warm process traced the forward and backward again before the FX graph
+    # cache handed back the code.
     cache = str(tmp_path / "cache")
-    first = _process(cache, str(tmp_path / "own1"), "bf16")
-    second = _process(cache, str(tmp_path / "own2"), "bf16")
+    first = _process(cache, str(tmp_path / "own1"), precision="bf16", fullgraph=False)
+    second = _process(cache, str(tmp_path / "own2"), precision="bf16", fullgraph=False)
+    assert any("not the traced step, because fullgraph=False" in w for w in first["warnings"])
+    assert first["kept"] == 0 and first["miss"] >= 1 and first["hit"] == 0, first
     assert first["aot_bypass"] == 0 and second["aot_bypass"] == 0, (first, second)
     assert second["miss"] == 0 and second["aot_hit"] == second["hit"] >= 1, second
     assert second["params"] == first["params"]
+
+
+def _flat(x: object) -> list[float]:
+    if isinstance(x, list):
+        return [v for item in x for v in _flat(item)]
+    return [float(x)]  # type: ignore[arg-type]
 
 
 def test_cache_dir_is_checked_at_wrap_time(tmp_path):

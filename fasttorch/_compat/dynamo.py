@@ -5,6 +5,7 @@ the backends ``compiled`` accepts and the seconds a compile spends tracing.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import Any
 
 import torch
@@ -12,15 +13,22 @@ import torch
 __all__ = [
     "compile_backends",
     "compile_phase_seconds",
+    "compile_settings",
     "compiled_in_place",
     "dynamo_counters",
     "dynamo_reset",
     "guard_failures",
     "is_compile_error",
     "is_optimized_module",
+    "load_precompiled",
+    "portable_guards",
+    "precompile",
+    "precompile_available",
+    "precompiled_guard_failure",
     "recompile_budget",
     "recompile_budget_enforced",
     "recompile_limit_hit",
+    "save_precompiled",
     "tracing_autograd_ops",
 ]
 
@@ -168,4 +176,137 @@ def compile_phase_seconds() -> dict[str, float]:
     metrics = getattr(torch._dynamo.utils, "compilation_time_metrics", {})
     whole = sum(metrics.get("_compile.compile_inner", []))
     backend = sum(metrics.get("OutputGraph.call_user_compiler", []))
+    # A function traced ahead (precompile) is timed as "fullgraph_capture", dynamo and
+    # backend together; its backend part is AOT autograd's dispatcher, which the
+    # ordinary path times inside call_user_compiler (so only the excess is counted).
+    ahead = sum(metrics.get("fullgraph_capture", []))
+    if ahead:
+        aot = sum(metrics.get("create_aot_dispatcher_function", []))
+        ahead_backend = min(ahead, max(0.0, aot - backend))
+        whole += ahead
+        backend += ahead_backend
     return {"dynamo": max(0.0, whole - backend), "backend": backend}
+
+
+# -- Warm starts without tracing: a whole traced step kept on disk ------------------------
+
+# Guards that dynamo can write to disk and that hold in any process: the tensors'
+# metadata and aliasing, and the global modes a graph was traced under. Guards on Python
+# objects (identity, closures, attribute values) cannot be written; fasttorch's
+# fingerprint of the step (fasttorch._fingerprint) stands in for them.
+_PORTABLE_GUARDS = frozenset(
+    {
+        "TENSOR_MATCH",
+        "SHAPE_ENV",
+        "GRAD_MODE",
+        "GLOBAL_STATE",
+        "DETERMINISTIC_ALGORITHMS",
+        "DEFAULT_DEVICE",
+        "TORCH_FUNCTION_STATE",
+        "AUTOGRAD_SAVED_TENSORS_HOOKS",
+    }
+)
+
+
+def precompile_available() -> bool:
+    """Whether this torch can trace a function ahead and load it in another process.
+
+    Why: ``compiled(..., cache_dir=)`` keeps the traced step itself (dynamo's bytecode,
+    its tensor guards and AOT autograd's compiled forward and backward) so that a new
+    process skips dynamo's tracing, which is most of a warm start (20 s of 25 s for
+    the 12-layer benchmark GPT, docs/design.md). It uses the ``aot_compile`` method of
+    a ``torch.compile`` function and ``torch.compiler.load_compiled_function``
+    (experimental, ``torch/_dynamo/aot_compile.py``), plus dynamo's ``guard_filter_fn``
+    option; where any of them is missing, warm starts trace again.
+    """
+    try:
+        from torch._dynamo import aot_compile
+    except ImportError:
+        return False
+    fn = getattr(aot_compile, "AOTCompiledFunction", None)
+    return (
+        callable(getattr(torch.compiler, "load_compiled_function", None))
+        and fn is not None
+        and all(
+            callable(getattr(fn, name, None))
+            for name in ("guard_check", "disable_guard_check", "save_compiled_function")
+        )
+    )
+
+
+def portable_guards(entries: Any) -> list[bool]:
+    """A ``guard_filter_fn`` that keeps the guards :data:`_PORTABLE_GUARDS` names."""
+    return [e.guard_type in _PORTABLE_GUARDS and not e.is_global for e in entries]
+
+
+def precompile(compiled_fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Trace and compile ``compiled_fn`` (``torch.compile(..., fullgraph=True)`` whose
+    options hold ``guard_filter_fn=portable_guards``) for these inputs, without running it.
+    """
+    return compiled_fn.aot_compile((args, kwargs))
+
+
+def save_precompiled(fn: Any, path: str, external: dict[str, Any]) -> None:
+    """Write ``precompile``'s result to ``path`` (atomically: a temporary file in the same
+    directory, then a rename, ``torch/_dynamo/aot_compile.py`` ``atomic_write_binary``).
+
+    ``external``: the objects the function closes over, written as references by name
+    and handed back by the loading process (they are live objects: a step, a module).
+    """
+    fn.save_compiled_function(path, external_data=external)
+
+
+def load_precompiled(path: str, f_globals: dict[str, Any], external: dict[str, Any]) -> Any:
+    """Read what :func:`save_precompiled` wrote, with this process's closure objects.
+
+    Why the contexts: rebuilding the tensor guards runs dynamo's guard builder, which
+    asks for a compile and tracing context (``TracingContext.get()``), as
+    ``torch._dynamo.aot_compile.AOTCompiledModel.deserialize`` provides.
+    """
+    from torch._dynamo import convert_frame
+    from torch._dynamo.utils import get_metrics_context
+    from torch._guards import CompileContext, TracingContext, compile_context, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with (
+        open(path, "rb") as f,
+        compile_context(CompileContext(convert_frame.get_compile_id({}))),
+        get_metrics_context(),
+        tracing(TracingContext(FakeTensorMode())),
+    ):
+        fn: Any = torch.compiler.load_compiled_function(
+            f, f_globals=f_globals, external_data=external
+        )
+    fn.disable_guard_check()  # the caller checks, to fall back instead of raising
+    return fn
+
+
+def precompiled_guard_failure(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """``None`` if the loaded function's guards accept these inputs, else dynamo's reason."""
+    if fn.guard_check(*args, **kwargs):
+        return None
+    manager = getattr(getattr(fn, "_artifacts", None), "guard_manager", None)
+    verbose = getattr(manager, "check_verbose", None)
+    generic = "a tensor's shape, dtype, device or layout differs"
+    if not callable(verbose):
+        return generic
+    info = verbose(fn.prepare_f_locals(*args, **kwargs))
+    parts = [str(p) for p in getattr(info, "verbose_code_parts", None) or ()]
+    return "; ".join(parts) or generic
+
+
+def compile_settings() -> dict[str, Any]:
+    """Dynamo's, AOT autograd's and inductor's settings in this process, for a cache key.
+
+    Why: a function traced and compiled ahead depends on them as an FX graph cache entry
+    does (inductor's key holds its config, ``torch/_inductor/codecache.py``); each
+    config module's ``get_config_copy`` (``torch/utils/_config_module.py``).
+    """
+    out: dict[str, Any] = {}
+    for name in ("torch._dynamo.config", "torch._functorch.config", "torch._inductor.config"):
+        module = importlib.import_module(name)
+        copy = getattr(module, "get_config_copy", None)
+        if callable(copy):
+            plain = (bool, int, float, str, type(None))
+            out[name] = {k: v for k, v in sorted(copy().items()) if isinstance(v, plain)}
+    return out

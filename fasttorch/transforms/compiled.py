@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 
 from fasttorch import _checks, _compat
 from fasttorch._checks import warn_once
-from fasttorch._compile_cache import check_cache_dir, use_cache_dir
+from fasttorch._compile_cache import check_cache_dir, precompiled, use_cache_dir
 from fasttorch._recompiles import DEFAULT_LIMIT, Recompiles
 from fasttorch.phases import Batch, Metrics
 from fasttorch.state import TrainState, is_sharded, kept_leaves
@@ -395,6 +395,8 @@ def compile_step_fn(
             elif cpp_wrapper_on_cpu and _only_on_cpu((args, kwargs)):
                 opts = _with_cpp_wrapper(opts)
             compiled_fn, recompiles = _watched(fn, opts, limit, blocks, regions)
+            if cache is not None:
+                compiled_fn = _kept(fn, opts, cache, args, kwargs, compiled_fn, blocks)
             if uses_cudagraphs(opts) and not _on_cpu((args, kwargs)):
                 with _compat.recompile_budget(limit):
                     return _first_graph_call(compiled_fn, fn, args, kwargs, static_state)
@@ -427,6 +429,40 @@ def compile_step_fn(
                 return compiled_fn(*args, **kwargs)
 
     return run
+
+
+def _kept(
+    fn: Callable[..., Any],
+    opts: dict[str, Any],
+    cache: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    compiled_fn: Callable[..., Any],
+    blocks: _regions.Blocks | None,
+) -> Callable[..., Any]:
+    """``compiled_fn``, or the function traced once and kept in ``cache`` (a warm start
+    without dynamo's tracing, ``fasttorch._compile_cache.precompiled``) where that works.
+    """
+    why = None
+    if not _compat.precompile_available():
+        why = f"torch {torch.__version__} cannot load a traced function (aot_compile)"
+    elif uses_cudagraphs(opts):
+        why = "CUDA graphs are on (mode='reduce-overhead' or triton.cudagraphs)"
+    elif opts.get("fullgraph") is not True:
+        why = "fullgraph=False"
+    elif any(isinstance(a, TrainState) and is_sharded(a.module) for a in args):
+        why = "the state is sharded (FSDP2)"
+    if why is None:
+        installed = blocks.installed if blocks is not None else None
+        kept = precompiled(fn, own_code(fn), opts, cache, args, kwargs, compiled_fn, installed)
+        if kept is not None:
+            return kept
+        return compiled_fn
+    warn_once(
+        f"compiled: cache_dir keeps inductor's compiled code but not the traced step, because "
+        f"{why}: each new process runs dynamo's tracing again (seconds to a minute)"
+    )
+    return compiled_fn
 
 
 def _first_graph_call(
