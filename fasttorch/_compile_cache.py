@@ -241,7 +241,9 @@ def _describe_fn(fn: Any) -> str:
         bound, fn = fn.args, fn.func
     name = getattr(fn, "__name__", type(fn).__name__).lstrip("_")
     owner = getattr(bound[0], "name", None) if bound else None
-    return f"step {owner!r}'s function {name!r}" if isinstance(owner, str) else f"function {name!r}"
+    return (
+        f"function {name!r} of step {owner!r}" if isinstance(owner, str) else f"function {name!r}"
+    )
 
 
 def _slug(text: str) -> str:
