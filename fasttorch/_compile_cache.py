@@ -1,13 +1,17 @@
-"""Warm starts: ``compiled(..., cache_dir=)``, inductor's caches in a directory you name.
+"""Warm starts: ``compiled(..., cache_dir=)``, the traced step and inductor's caches in a
+directory you name.
 
-A cold compile of a whole step takes seconds to minutes. Inductor keeps what it compiled
-(FX graphs with their generated kernels, AOT autograd's forward and backward graphs) in
-an on-disk cache, keyed by the graph, the inputs' shapes and dtypes, the options and the
-torch version, so a later process compiling the same step loads the result instead of
-generating code. ``cache_dir`` is that cache's directory, named once: a restarted job,
-a second process, or every rank of a ``torchrun`` job (on a filesystem they share) that
-gives the same directory starts from the first one's compile. Dynamo still traces the
-step in each process; only code generation is skipped.
+A cold compile of a whole step takes seconds to minutes: dynamo traces fasttorch's and the
+model's Python, then AOT autograd and inductor generate and build code. ``cache_dir``
+keeps both parts for later processes (a restarted job, a second process, every rank of a
+``torchrun`` job on a filesystem they share):
+
+* :func:`precompiled`: each compiled function traced ahead (torch's ``aot_compile``) and
+  written under ``cache_dir/fasttorch-steps/``, named by a :mod:`fasttorch._fingerprint`
+  digest of everything the trace could read (the guards on Python objects cannot be
+  written); a process with the same digest loads it and runs no dynamo.
+* :func:`use_cache_dir`: the directory as this process's inductor cache (FX graphs with
+  their kernels, AOT autograd's graphs), which serves whatever is not kept traced.
 
 The directory holds compiled code that later processes run: name only a directory you
 trust, as for ``TORCHINDUCTOR_CACHE_DIR``. Nothing is written outside it.

@@ -167,12 +167,14 @@ def compiled(
             guard failed, in words, and how to avoid it; one more than the budget
             raises :class:`fasttorch.RecompileLimitError` where torch.compile would run
             the function eagerly without a word (docs/transforms.md, "Recompiles").
-        cache_dir: a directory for inductor's caches of compiled graphs (created if
-            missing), made this process's ``TORCHINDUCTOR_CACHE_DIR`` on the first
-            call: a later process, a restarted job or every ``torchrun`` rank naming the
-            same directory loads the first one's compiled graphs instead of generating
-            code again (docs/transforms.md, "Warm starts"). It holds compiled code that
-            later processes run: name only a directory you trust.
+        cache_dir: a directory (created if missing) where the first process keeps
+            the traced and compiled step, named by a fingerprint of everything the
+            trace read, and inductor's caches (it becomes the process's
+            ``TORCHINDUCTOR_CACHE_DIR`` on the first call): a later process, a restarted
+            job or every ``torchrun`` rank naming the same directory loads them instead
+            of tracing and generating code again (docs/transforms.md, "Warm starts").
+            It holds compiled code that later processes run: name only a directory
+            you trust.
         regions: ``True``, ``False`` or ``"auto"``: run the model's repeated blocks
             (children of one ``nn.ModuleList``/``nn.Sequential``, same class, parameters
             and settings, no buffers) as calls of one ``nested_compile_region``, traced
