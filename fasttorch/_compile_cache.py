@@ -131,9 +131,16 @@ def _precompiled(
     name = _describe_fn(fn)
     within = installed or (lambda _: contextlib.nullcontext())
     external = {f"cell{i}": c.cell_contents for i, c in enumerate(func.__closure__ or ())}
-    file = os.path.join(
-        path, STEPS_DIR, f"{_slug(name)}-{_key(fn, opts, args, kwargs, installed is not None)}.bin"
-    )
+    try:
+        key = _key(fn, opts, args, kwargs, installed is not None)
+    except Exception as err:
+        warn_once(
+            f"compiled: the {name} cannot be kept in cache_dir as a traced graph: its "
+            f"fingerprint could not be taken ({type(err).__name__}: {_first_line(err)}); "
+            "a new process traces it again (inductor's compiled code is still reused)"
+        )
+        return None
+    file = os.path.join(path, STEPS_DIR, f"{_slug(name)}-{key}.bin")
     loaded = None
     if os.path.exists(file):
         try:

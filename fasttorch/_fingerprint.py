@@ -31,6 +31,7 @@ import enum
 import functools
 import hashlib
 import os
+import re
 import sys
 import sysconfig
 import types
@@ -39,7 +40,7 @@ from typing import Any
 import attrs
 import torch
 
-__all__ = ["fingerprint"]
+__all__ = ["TooDeep", "fingerprint"]
 
 _MAX_DEPTH = 64
 _SCALARS = (type(None), bool, int, float, complex, str, bytes)
@@ -51,9 +52,14 @@ def fingerprint(*roots: Any) -> str:
     """A hex digest of ``roots`` and everything reachable from them (module docstring)."""
     walk = _Walk()
     walk.visit(roots, 0)
-    for path in sorted(walk.files):
-        walk.emit("file", path, _file_digest(path))
+    for module, path in sorted(walk.files):  # by module name: a copied project matches
+        walk.emit("file", module, _file_digest(path))
     return walk.hash.hexdigest()
+
+
+class TooDeep(ValueError):
+    """Objects nested deeper than the walk goes: no digest (a partial one could match a
+    different step)."""
 
 
 @functools.lru_cache(maxsize=4096)
@@ -73,9 +79,46 @@ def _is_library_path(path: str) -> bool:
     return any(real.startswith(p) and "site-packages" not in real for p in _STDLIB)
 
 
-def _is_torch_internal(obj: Any) -> bool:
+# Torch's machinery (compiled functions, guards, graphs, C++ objects): named by type only;
+# what it does is torch's version. Other torch objects (an autocast context, a
+# distribution) are walked like any object.
+_MACHINERY = (
+    "torch._dynamo",
+    "torch._inductor",
+    "torch._C",
+    "torch._functorch",
+    "torch._subclasses",
+    "torch._guards",
+    "torch.fx",
+    "torch._higher_order_ops",
+)
+
+
+def _is_torch_machinery(obj: Any) -> bool:
     module = getattr(type(obj), "__module__", "") or ""
-    return module.startswith("torch.") and not isinstance(obj, torch.nn.Module)
+    return module.startswith(_MACHINERY)
+
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]{6,}")
+
+
+def _opaque(obj: Any) -> tuple[str, ...]:
+    """An object with no fields to walk: its type, and its value where it prints one.
+
+    A numpy array by its dtype, shape and bytes; anything else by ``repr`` unless that
+    holds an address (the default ``repr``: then the type alone, which never matches a
+    wrong value, since an object with no fields and no printed value has none to bake in).
+    """
+    name = _qualname(type(obj))
+    tobytes = getattr(obj, "tobytes", None)
+    if type(obj).__module__ == "numpy" and callable(tobytes):
+        data = hashlib.sha256(tobytes()).hexdigest()
+        return (name, str(getattr(obj, "dtype", "")), str(getattr(obj, "shape", "")), data)
+    try:
+        text = repr(obj)
+    except Exception:
+        return (name,)
+    return (name,) if _ADDRESS.search(text) or len(text) > 10_000 else (name, text)
 
 
 class _Walk:
@@ -83,7 +126,7 @@ class _Walk:
         self.hash = hashlib.sha256()
         self.seen: dict[int, int] = {}
         self.keep: list[Any] = []  # holds visited objects, so no id is reused meanwhile
-        self.files: set[str] = set()
+        self.files: set[tuple[str, str]] = set()
 
     def emit(self, *parts: object) -> None:
         self.hash.update(repr(parts).encode())
@@ -99,15 +142,16 @@ class _Walk:
         return True
 
     def _source(self, obj: Any) -> None:
-        module = sys.modules.get(getattr(obj, "__module__", None) or "")
-        path = getattr(module, "__file__", None)
+        name = getattr(obj, "__module__", None) or ""
+        path = getattr(sys.modules.get(name), "__file__", None)
         if isinstance(path, str) and not _is_library_path(path):
-            self.files.add(os.path.realpath(path))
+            self.files.add((name, os.path.realpath(path)))
 
     def visit(self, obj: Any, depth: int) -> None:
         if depth > _MAX_DEPTH:
-            self.emit("deep", _qualname(type(obj)))
-            return
+            raise TooDeep(
+                f"objects nested deeper than {_MAX_DEPTH} levels ({_qualname(type(obj))})"
+            )
         d = depth + 1
         if isinstance(obj, _SCALARS):
             self.emit(type(obj).__name__, repr(obj))
@@ -167,8 +211,10 @@ class _Walk:
         elif isinstance(obj, (set, frozenset)):
             if self._first_time(obj):
                 self.emit("set", sorted(_nested(item, d) for item in obj))
-        elif _is_torch_internal(obj) or (not hasattr(obj, "__dict__") and not attrs.has(type(obj))):
-            self.emit("opaque", _qualname(type(obj)))
+        elif _is_torch_machinery(obj):
+            self.emit("machinery", _qualname(type(obj)))
+        elif not hasattr(obj, "__dict__") and not attrs.has(type(obj)):
+            self.emit("opaque", *_opaque(obj))
         else:
             self._object(obj, d)
 

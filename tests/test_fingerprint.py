@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import fasttorch
-from fasttorch._fingerprint import fingerprint
+from fasttorch._fingerprint import TooDeep, fingerprint
 
 SCALE = 2.0
 
@@ -79,3 +79,20 @@ def test_a_module_by_its_training_mode_and_parameters():
     assert fingerprint(m) == base
     m[0].weight.requires_grad_(False)
     assert fingerprint(m) != base
+
+
+def test_values_without_fields_by_what_they_print():
+    np = __import__("pytest").importorskip("numpy")
+    assert fingerprint(np.float32(1e-3)) != fingerprint(np.float32(2e-3))
+    assert fingerprint(np.arange(3)) != fingerprint(np.arange(3) + 1)
+    assert fingerprint(np.arange(3)) == fingerprint(np.arange(3))
+    # No printed value (an address): the type alone, equal across instances.
+    assert fingerprint(object()) == fingerprint(object())
+
+
+def test_too_deep_gives_no_digest():
+    nested: list = []
+    for _ in range(100):
+        nested = [nested]
+    with __import__("pytest").raises(TooDeep, match="deeper than"):
+        fingerprint(nested)
