@@ -10,9 +10,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from reference import mse
 
 import fasttorch
+from fasttorch import _compat
 from fasttorch._compile_cache import STEPS_DIR
 
 # One process: a tiny MLP step (two microbatches: two compiled functions) compiled with
@@ -71,6 +73,12 @@ def _process(cache: str, own: str, **cfg: object) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+keeps_traced_steps = pytest.mark.skipif(
+    not _compat.precompile_available(),
+    reason=f"torch {torch.__version__} cannot load a traced function with external data",
+)
+
+
 def _kept(cache: str) -> list[str]:
     return sorted(os.listdir(os.path.join(cache, STEPS_DIR)))
 
@@ -91,6 +99,7 @@ def cold(tmp_path_factory):
 
 
 @pytest.mark.slow
+@keeps_traced_steps
 def test_second_process_loads_the_traced_step_and_traces_nothing(cold, tmp_path):
     cache, first, copy = cold
     assert first["kept"] == 2 and first["loaded"] == 0, first  # the microbatch, the update
@@ -106,6 +115,7 @@ def test_second_process_loads_the_traced_step_and_traces_nothing(cold, tmp_path)
 
 
 @pytest.mark.slow
+@keeps_traced_steps
 def test_a_loaded_step_falls_back_when_its_tensor_guards_fail(cold, tmp_path):
     _, first, copy = cold
     # The second call's batch has another number of rows: the kept graph's tensor guards
@@ -117,6 +127,7 @@ def test_a_loaded_step_falls_back_when_its_tensor_guards_fail(cold, tmp_path):
 
 
 @pytest.mark.slow
+@keeps_traced_steps
 def test_a_changed_step_is_traced_again_not_loaded(cold, tmp_path):
     _, first, copy = cold
     cache = copy("copy-lr")
@@ -127,6 +138,7 @@ def test_a_changed_step_is_traced_again_not_loaded(cold, tmp_path):
 
 
 @pytest.mark.slow
+@keeps_traced_steps
 def test_an_unreadable_kept_step_is_traced_again_with_a_warning(cold, tmp_path):
     _, first, copy = cold
     cache = copy("copy-broken")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 from typing import Any
 
 import torch
@@ -224,13 +225,14 @@ def precompile_available() -> bool:
     except ImportError:
         return False
     fn = getattr(aot_compile, "AOTCompiledFunction", None)
-    return (
-        callable(getattr(torch.compiler, "load_compiled_function", None))
-        and fn is not None
-        and all(
-            callable(getattr(fn, name, None))
-            for name in ("guard_check", "disable_guard_check", "save_compiled_function")
-        )
+    load = getattr(torch.compiler, "load_compiled_function", None)
+    methods = ("guard_check", "disable_guard_check", "save_compiled_function", "prepare_f_locals")
+    if fn is None or not callable(load) or not all(callable(getattr(fn, m, None)) for m in methods):
+        return False
+    # The closure's objects travel as external data; torch 2.10's loader takes none.
+    return all(
+        "external_data" in inspect.signature(f).parameters
+        for f in (load, fn.save_compiled_function)
     )
 
 
