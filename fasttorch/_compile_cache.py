@@ -237,9 +237,19 @@ def _key(
         torch.backends.cpu.get_cpu_capability(),
         os.environ.get("ATEN_CPU_CAPABILITY"),
         gpus,
+        _rank(),
         _compat.compile_settings(),
     )
     return fingerprint(fn, args, kwargs, opts, regions, env)[:40]
+
+
+def _rank() -> tuple[int, int] | None:
+    """This process's rank and world size: a trace may hold either as a constant (a
+    collective's peer, ``dist.get_rank()`` folded in), so ranks keep their own."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return None
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
