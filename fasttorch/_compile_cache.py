@@ -20,11 +20,11 @@ trust, as for ``TORCHINDUCTOR_CACHE_DIR``. Nothing is written outside it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import platform
 import sys
 import types
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -95,6 +95,7 @@ def precompiled(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     fallback: Callable[..., Any],
+    name: str,
     installed: Callable[[tuple[Any, ...]], AbstractContextManager[Any]] | None = None,
 ) -> Callable[..., Any] | None:
     """``mine`` (``fn`` over its own code) traced once and kept under ``path``, or loaded.
@@ -114,7 +115,7 @@ def precompiled(
     if not isinstance(func, types.FunctionType) or func is not mine:
         return None
     with _compat.tracing_autograd_ops():  # the settings the step is traced under
-        return _precompiled(fn, func, mine, opts, path, args, kwargs, fallback, installed)
+        return _precompiled(fn, func, mine, opts, path, args, kwargs, fallback, name, installed)
 
 
 def _precompiled(
@@ -126,9 +127,9 @@ def _precompiled(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     fallback: Callable[..., Any],
+    name: str,
     installed: Callable[[tuple[Any, ...]], AbstractContextManager[Any]] | None,
 ) -> Callable[..., Any] | None:
-    name = _describe_fn(fn)
     within = installed or (lambda _: contextlib.nullcontext())
     external = {f"cell{i}": c.cell_contents for i, c in enumerate(func.__closure__ or ())}
     try:
@@ -180,7 +181,13 @@ def _precompiled(
 
 
 class _Guarded:
-    """A loaded traced function, its tensor guards checked at every call."""
+    """A loaded traced function, its tensor guards checked at every call.
+
+    Slots, no ``__dict__``: a later kernel's fingerprint names this wrapper by its type
+    (it is reachable from the step's kernel cache) instead of walking into it.
+    """
+
+    __slots__ = ("fallback", "fn", "modes", "name", "within")
 
     def __init__(
         self,
@@ -196,14 +203,16 @@ class _Guarded:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self.within(args):
             why = _compat.precompiled_guard_failure(self.fn, args, kwargs)
+            fix = "keep shapes fixed (drop_last=True) or mark the dimension dynamic"
             if why is None and _modes(args) != self.modes:
                 why = "a module's training mode changed (train() or eval() on the model)"
+                fix = "set the modes before the first call"
             if why is None:
                 return self.fn(*args, **kwargs)
         warn_once(
             f"compiled: the traced {self.name} from cache_dir does not fit this call "
-            f"({_first_line(why)}); compiling one for it, as a recompile would. Keep "
-            "shapes fixed (drop_last=True) to avoid it"
+            f"({_first_line(why)}); compiling one for it, as a recompile would. To avoid "
+            f"it, {fix}"
         )
         return self.fallback(*args, **kwargs)
 
@@ -212,10 +221,23 @@ def _modes(args: tuple[Any, ...]) -> tuple[bool, ...]:
     """The training mode of every submodule of each state's template module."""
     out: list[bool] = []
     for a in args:
-        module = getattr(a, "module", None) if isinstance(a, TrainState) else None
+        module = a.module if isinstance(a, TrainState) else None
         if isinstance(module, torch.nn.Module):
-            out += [m.training for m in module.modules()]
+            out += [m.training for m in _submodules(module)]
     return tuple(out)
+
+
+_SUBMODULES: weakref.WeakKeyDictionary[torch.nn.Module, list[torch.nn.Module]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _submodules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module.modules()``, listed once per template (a state's module is static)."""
+    found = _SUBMODULES.get(module)
+    if found is None:
+        found = _SUBMODULES[module] = list(module.modules())
+    return found
 
 
 def _key(
@@ -254,17 +276,6 @@ def _rank() -> tuple[int, int] | None:
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
-
-
-def _describe_fn(fn: Any) -> str:
-    bound: tuple[Any, ...] = ()
-    if isinstance(fn, functools.partial):
-        bound, fn = fn.args, fn.func
-    name = getattr(fn, "__name__", type(fn).__name__).lstrip("_")
-    owner = getattr(bound[0], "name", None) if bound else None
-    return (
-        f"function {name!r} of step {owner!r}" if isinstance(owner, str) else f"function {name!r}"
-    )
 
 
 def _slug(text: str) -> str:

@@ -456,7 +456,10 @@ def _kept(
         why = "the state is sharded (FSDP2)"
     if why is None:
         installed = blocks.installed if blocks is not None else None
-        kept = precompiled(fn, own_code(fn), opts, cache, args, kwargs, compiled_fn, installed)
+        mine = own_code(fn)
+        kept = precompiled(
+            fn, mine, opts, cache, args, kwargs, compiled_fn, _describe(fn), installed
+        )
         if kept is not None:
             return kept
         return compiled_fn
