@@ -19,14 +19,12 @@ trust, as for ``TORCHINDUCTOR_CACHE_DIR``. Nothing is written outside it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import platform
 import sys
 import types
 import weakref
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -96,7 +94,6 @@ def precompiled(
     kwargs: dict[str, Any],
     fallback: Callable[..., Any],
     name: str,
-    installed: Callable[[tuple[Any, ...]], AbstractContextManager[Any]] | None = None,
 ) -> Callable[..., Any] | None:
     """``mine`` (``fn`` over its own code) traced once and kept under ``path``, or loaded.
 
@@ -108,14 +105,13 @@ def precompiled(
     changed its training mode, goes to ``fallback`` (the ordinary ``torch.compile`` of
     the function, which compiles for it as a recompile would), with a warning.
     ``None`` where the function cannot be kept (``compiled`` then compiles as before and
-    says why, once). ``installed``: the context (regional compilation's blocks, given the
-    call's arguments) that the function is traced and called in.
+    says why, once).
     """
     func = getattr(mine, "__func__", mine)
     if not isinstance(func, types.FunctionType) or func is not mine:
         return None
     with _compat.tracing_autograd_ops():  # the settings the step is traced under
-        return _precompiled(fn, func, mine, opts, path, args, kwargs, fallback, name, installed)
+        return _precompiled(fn, func, mine, opts, path, args, kwargs, fallback, name)
 
 
 def _precompiled(
@@ -128,12 +124,10 @@ def _precompiled(
     kwargs: dict[str, Any],
     fallback: Callable[..., Any],
     name: str,
-    installed: Callable[[tuple[Any, ...]], AbstractContextManager[Any]] | None,
 ) -> Callable[..., Any] | None:
-    within = installed or (lambda _: contextlib.nullcontext())
     external = {f"cell{i}": c.cell_contents for i, c in enumerate(func.__closure__ or ())}
     try:
-        key = _key(fn, opts, args, kwargs, installed is not None)
+        key = _key(fn, opts, args, kwargs)
     except Exception as err:
         warn_once(
             f"compiled: the {name} cannot be kept in cache_dir as a traced graph: its "
@@ -157,8 +151,7 @@ def _precompiled(
         inner = {**opts.get("options", {}), "guard_filter_fn": _compat.portable_guards}
         try:
             ahead = torch.compile(mine, **{**opts, "options": inner})
-            with within(args):
-                loaded = _compat.precompile(ahead, args, kwargs)
+            loaded = _compat.precompile(ahead, args, kwargs)
         except Exception as err:
             warn_once(
                 f"compiled: the {name} cannot be kept in cache_dir as a traced graph "
@@ -177,7 +170,7 @@ def _precompiled(
                 f"compiled: could not write the traced {name} to {file} "
                 f"({type(err).__name__}: {_first_line(err)}); a new process traces it again"
             )
-    return _Guarded(loaded, fallback, name, _modes(args), within)
+    return _Guarded(loaded, fallback, name, _modes(args))
 
 
 class _Guarded:
@@ -187,7 +180,7 @@ class _Guarded:
     (it is reachable from the step's kernel cache) instead of walking into it.
     """
 
-    __slots__ = ("fallback", "fn", "modes", "name", "within")
+    __slots__ = ("fallback", "fn", "modes", "name")
 
     def __init__(
         self,
@@ -195,20 +188,17 @@ class _Guarded:
         fallback: Callable[..., Any],
         name: str,
         modes: tuple[bool, ...],
-        within: Callable[[tuple[Any, ...]], AbstractContextManager[Any]],
     ):
         self.fn, self.fallback, self.name, self.modes = fn, fallback, name, modes
-        self.within = within
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self.within(args):
-            why = _compat.precompiled_guard_failure(self.fn, args, kwargs)
-            fix = "keep shapes fixed (drop_last=True) or mark the dimension dynamic"
-            if why is None and _modes(args) != self.modes:
-                why = "a module's training mode changed (train() or eval() on the model)"
-                fix = "set the modes before the first call"
-            if why is None:
-                return self.fn(*args, **kwargs)
+        why = _compat.precompiled_guard_failure(self.fn, args, kwargs)
+        fix = "keep shapes fixed (drop_last=True) or mark the dimension dynamic"
+        if why is None and _modes(args) != self.modes:
+            why = "a module's training mode changed (train() or eval() on the model)"
+            fix = "set the modes before the first call"
+        if why is None:
+            return self.fn(*args, **kwargs)
         warn_once(
             f"compiled: the traced {self.name} from cache_dir does not fit this call "
             f"({_first_line(why)}); compiling one for it, as a recompile would. To avoid "
@@ -240,9 +230,7 @@ def _submodules(module: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-def _key(
-    fn: Any, opts: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any], regions: bool
-) -> str:
+def _key(fn: Any, opts: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     import fasttorch
 
     devices = sorted({str(t.device) for t in _tensors((args, kwargs))})
@@ -262,7 +250,7 @@ def _key(
         _rank(),
         _compat.compile_settings(),
     )
-    return fingerprint(fn, args, kwargs, opts, regions, env)[:40]
+    return fingerprint(fn, args, kwargs, opts, env)[:40]
 
 
 def _rank() -> tuple[int, int] | None:

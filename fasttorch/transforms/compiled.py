@@ -448,6 +448,11 @@ def _kept(
     why = None
     if not _compat.precompile_available():
         why = f"torch {torch.__version__} cannot load a traced function (aot_compile)"
+    elif blocks is not None:
+        # Traced ahead, a step whose blocks run as regions keeps tensor guards reached
+        # through the template's submodules, which a new process cannot rebuild
+        # ("'_Missing' object has no attribute '_parameters'", torch 2.13).
+        why = "the model's blocks run as regions (regions=False keeps the traced step)"
     elif uses_cudagraphs(opts):
         why = "CUDA graphs are on (mode='reduce-overhead' or triton.cudagraphs)"
     elif opts.get("fullgraph") is not True:
@@ -455,11 +460,7 @@ def _kept(
     elif any(isinstance(a, TrainState) and is_sharded(a.module) for a in args):
         why = "the state is sharded (FSDP2)"
     if why is None:
-        installed = blocks.installed if blocks is not None else None
-        mine = own_code(fn)
-        kept = precompiled(
-            fn, mine, opts, cache, args, kwargs, compiled_fn, _describe(fn), installed
-        )
+        kept = precompiled(fn, own_code(fn), opts, cache, args, kwargs, compiled_fn, _describe(fn))
         if kept is not None:
             return kept
         return compiled_fn
