@@ -33,9 +33,9 @@ import torch.utils._pytree as pytree
 from fasttorch import _compat
 from fasttorch._checks import warn_once
 from fasttorch._fingerprint import fingerprint
-from fasttorch.state import TrainState
+from fasttorch.state import TrainState, is_sharded
 
-__all__ = ["STEPS_DIR", "check_cache_dir", "precompiled", "use_cache_dir"]
+__all__ = ["STEPS_DIR", "check_cache_dir", "kept", "precompiled", "use_cache_dir"]
 
 
 def check_cache_dir(value: Any, backend: Any) -> str | None:
@@ -83,6 +83,41 @@ STEPS_DIR = "fasttorch-steps"
 
 # How many traced functions this process kept in and loaded from cache directories.
 counts = {"kept": 0, "loaded": 0}
+
+
+def kept(
+    fn: Callable[..., Any],
+    mine: Callable[..., Any],
+    name: str,
+    opts: dict[str, Any],
+    where: tuple[str, str | None],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    compiled_fn: Callable[..., Any],
+) -> Callable[..., Any]:
+    """``compiled_fn``, or the function traced once and kept in the cache directory (a
+    warm start without dynamo's tracing, :func:`precompiled`) where that works.
+
+    ``where``: the directory, and why the caller's options rule keeping out, if they do
+    (CUDA graphs; regional compilation, whose tensor guards reach through the template's
+    submodules, which a new process could not rebuild: "'_Missing' object has no
+    attribute '_parameters'", torch 2.13).
+    """
+    path, why = where
+    if not _compat.precompile_available():
+        why = f"torch {torch.__version__} cannot load a traced function (aot_compile)"
+    elif why is None and opts.get("fullgraph") is not True:
+        why = "fullgraph=False"
+    elif why is None and any(isinstance(a, TrainState) and is_sharded(a.module) for a in args):
+        why = "the state is sharded (FSDP2)"
+    if why is None:
+        out = precompiled(fn, mine, opts, path, args, kwargs, compiled_fn, name)
+        return compiled_fn if out is None else out
+    warn_once(
+        f"compiled: cache_dir keeps inductor's compiled code but not the traced step, because "
+        f"{why}: each new process runs dynamo's tracing again (seconds to a minute)"
+    )
+    return compiled_fn
 
 
 def precompiled(

@@ -1,4 +1,5 @@
-"""``own_code``: a function over a fresh copy of its code object (``compiled``'s kernels).
+"""``own_code``: a function over a fresh copy of its code object (``compiled``'s kernels),
+and ``describe``: the name a kernel goes by in ``compiled``'s reports.
 
 Dynamo caches compiled graphs per code object; every step's kernels share the same
 source, so each compiled kernel runs a copy of its own (``compile_step_fn``).
@@ -11,7 +12,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["own_code"]
+__all__ = ["describe", "own_code"]
 
 
 def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -42,3 +43,15 @@ def own_code(fn: Callable[..., Any]) -> Callable[..., Any]:
     if target is not fn:  # a bound method
         return types.MethodType(copy, fn.__self__)  # type: ignore[attr-defined]
     return copy
+
+
+def describe(fn: Callable[..., Any]) -> str:
+    """``fn`` as a recompile report names it: its step and function, where known."""
+    bound: tuple[Any, ...] = ()
+    if isinstance(fn, functools.partial):
+        bound, fn = fn.args, fn.func
+    name = getattr(fn, "__name__", type(fn).__name__).lstrip("_")
+    owner = getattr(bound[0], "name", None) if bound else None
+    if isinstance(owner, str):
+        return f"step {owner!r} (its function {name!r})"
+    return f"function {name!r}"

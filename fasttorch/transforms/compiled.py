@@ -22,13 +22,13 @@ import torch.utils._pytree as pytree
 
 from fasttorch import _checks, _compat
 from fasttorch._checks import warn_once
-from fasttorch._compile_cache import check_cache_dir, precompiled, use_cache_dir
+from fasttorch._compile_cache import check_cache_dir, kept, use_cache_dir
 from fasttorch._recompiles import DEFAULT_LIMIT, Recompiles
 from fasttorch.phases import Batch, Metrics
 from fasttorch.state import TrainState, is_sharded, kept_leaves
 from fasttorch.steps import Runner, Step, check_wrap
 from fasttorch.transforms import _regions
-from fasttorch.transforms._code import own_code
+from fasttorch.transforms._code import describe, own_code
 from fasttorch.transforms._cpu_gemm import CpuGemm
 from fasttorch.transforms._inductor_options import (
     _check_isa_cache,
@@ -46,6 +46,7 @@ from fasttorch.transforms._inductor_options import (
 
 __all__ = ["Compiler", "compile_step_fn", "compiled"]
 
+_REGIONS = "the model's blocks run as regions (regions=False keeps the traced step)"
 Mode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
 
@@ -397,8 +398,11 @@ def compile_step_fn(
             elif cpp_wrapper_on_cpu and _only_on_cpu((args, kwargs)):
                 opts = _with_cpp_wrapper(opts)
             compiled_fn, recompiles = _watched(fn, opts, limit, blocks, regions)
-            if cache is not None:
-                compiled_fn = _kept(fn, opts, cache, args, kwargs, compiled_fn, blocks)
+            mine = own_code(fn)
+            if cache is not None:  # the traced step itself, kept where it can be
+                off = {"CUDA graphs are on": uses_cudagraphs(opts), _REGIONS: blocks is not None}
+                where = (cache, next((k for k, v in off.items() if v), None))
+                compiled_fn = kept(fn, mine, describe(fn), opts, where, args, kwargs, compiled_fn)
             if uses_cudagraphs(opts) and not _on_cpu((args, kwargs)):
                 with _compat.recompile_budget(limit):
                     return _first_graph_call(compiled_fn, fn, args, kwargs, static_state)
@@ -431,44 +435,6 @@ def compile_step_fn(
                 return compiled_fn(*args, **kwargs)
 
     return run
-
-
-def _kept(
-    fn: Callable[..., Any],
-    opts: dict[str, Any],
-    cache: str,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    compiled_fn: Callable[..., Any],
-    blocks: _regions.Blocks | None,
-) -> Callable[..., Any]:
-    """``compiled_fn``, or the function traced once and kept in ``cache`` (a warm start
-    without dynamo's tracing, ``fasttorch._compile_cache.precompiled``) where that works.
-    """
-    why = None
-    if not _compat.precompile_available():
-        why = f"torch {torch.__version__} cannot load a traced function (aot_compile)"
-    elif blocks is not None:
-        # Traced ahead, a step whose blocks run as regions keeps tensor guards reached
-        # through the template's submodules, which a new process cannot rebuild
-        # ("'_Missing' object has no attribute '_parameters'", torch 2.13).
-        why = "the model's blocks run as regions (regions=False keeps the traced step)"
-    elif uses_cudagraphs(opts):
-        why = "CUDA graphs are on (mode='reduce-overhead' or triton.cudagraphs)"
-    elif opts.get("fullgraph") is not True:
-        why = "fullgraph=False"
-    elif any(isinstance(a, TrainState) and is_sharded(a.module) for a in args):
-        why = "the state is sharded (FSDP2)"
-    if why is None:
-        kept = precompiled(fn, own_code(fn), opts, cache, args, kwargs, compiled_fn, _describe(fn))
-        if kept is not None:
-            return kept
-        return compiled_fn
-    warn_once(
-        f"compiled: cache_dir keeps inductor's compiled code but not the traced step, because "
-        f"{why}: each new process runs dynamo's tracing again (seconds to a minute)"
-    )
-    return compiled_fn
 
 
 def _first_graph_call(
@@ -506,7 +472,7 @@ def _watched(
     """``torch.compile`` of ``fn``'s own code, with the record of its recompiles."""
     mine = own_code(fn)
     code = getattr(mine, "__func__", mine).__code__
-    name = _describe(fn)
+    name = describe(fn)
     if _compat.guard_failures(code) is None or not _compat.recompile_budget_enforced():
         warn_once(
             f"compiled: torch {torch.__version__} keeps no record of guard failures or "
@@ -518,18 +484,6 @@ def _watched(
     if blocks is not None:  # "auto" falls back to no regions where they fail to compile
         out = blocks.wrap(out, retry=regions == "auto" and opts.get("fullgraph") is True)
     return out, Recompiles(name, limit, code)
-
-
-def _describe(fn: Callable[..., Any]) -> str:
-    """``fn`` as a recompile report names it: its step and function, where known."""
-    bound: tuple[Any, ...] = ()
-    if isinstance(fn, functools.partial):
-        bound, fn = fn.args, fn.func
-    name = getattr(fn, "__name__", type(fn).__name__).lstrip("_")
-    owner = getattr(bound[0], "name", None) if bound else None
-    if isinstance(owner, str):
-        return f"step {owner!r} (its function {name!r})"
-    return f"function {name!r}"
 
 
 def _check_optimizers(args: Any) -> None:
