@@ -16,6 +16,7 @@ from reference import mse
 import fasttorch
 from fasttorch import _compat
 from fasttorch._compile_cache import STEPS_DIR
+from fasttorch.transforms import _regions
 
 # One process: a tiny MLP step (two microbatches: two compiled functions) compiled with
 # inductor; prints what the process compiled, traced and loaded, its warnings, and the
@@ -171,7 +172,7 @@ def test_a_mixed_precision_step_skips_aot_autograd_in_the_second_process(tmp_pat
     cache = str(tmp_path / "cache")
     first = _process(cache, str(tmp_path / "own1"), precision="bf16", fullgraph=False)
     second = _process(cache, str(tmp_path / "own2"), precision="bf16", fullgraph=False)
-    assert any("not the traced step, because fullgraph=False" in w for w in first["warnings"])
+    assert any("not the traced step, because" in w for w in first["warnings"])
     assert first["kept"] == 0 and first["miss"] >= 1 and first["hit"] == 0, first
     assert first["aot_bypass"] == 0 and second["aot_bypass"] == 0, (first, second)
     assert second["miss"] == 0 and second["aot_hit"] == second["hit"] >= 1, second
@@ -179,6 +180,7 @@ def test_a_mixed_precision_step_skips_aot_autograd_in_the_second_process(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(_regions.unavailable() is not None, reason="no regions on this torch")
 def test_a_step_with_regions_says_it_is_not_kept_and_warms_through_inductor(tmp_path):
     # Two identical blocks as regions: a step traced ahead keeps tensor guards reached
     # through the template's submodules, which a new process could not rebuild (torch
