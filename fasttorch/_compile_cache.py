@@ -145,21 +145,6 @@ def precompiled(
     func = getattr(mine, "__func__", mine)
     if not isinstance(func, types.FunctionType) or func is not mine:
         return None
-    with _compat.tracing_autograd_ops():  # the settings the step is traced under
-        return _precompiled(fn, func, mine, opts, path, args, kwargs, fallback, name)
-
-
-def _precompiled(
-    fn: Callable[..., Any],
-    func: types.FunctionType,
-    mine: Callable[..., Any],
-    opts: dict[str, Any],
-    path: str,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    fallback: Callable[..., Any],
-    name: str,
-) -> Callable[..., Any] | None:
     external = {f"cell{i}": c.cell_contents for i, c in enumerate(func.__closure__ or ())}
     try:
         key = _key(fn, opts, args, kwargs)
@@ -186,7 +171,8 @@ def _precompiled(
         inner = {**opts.get("options", {}), "guard_filter_fn": _compat.portable_guards}
         try:
             ahead = torch.compile(mine, **{**opts, "options": inner})
-            loaded = _compat.precompile(ahead, args, kwargs)
+            with _compat.tracing_autograd_ops():  # the settings the step is traced under
+                loaded = _compat.precompile(ahead, args, kwargs)
         except Exception as err:
             warn_once(
                 f"compiled: the {name} cannot be kept in cache_dir as a traced graph "
