@@ -18,10 +18,12 @@ and its arguments outward:
   buffers (metadata), submodules and training mode, other objects by ``vars()``.
 
 It over-approximates: anything the trace might depend on is in it, so an equal digest
-means an equal traced program. Objects of torch's internals are named by their type
-(their behaviour is torch's version, which the caller adds), and so are objects with no
-``__dict__`` (locks, generators). A digest is deterministic across processes: no ``id``,
-no default ``repr`` with an address, sets in sorted order.
+means an equal traced program. Torch's compile machinery (dynamo, inductor, C++ objects)
+is named by type (its behaviour is torch's version, which the caller adds); objects with
+no fields to walk by their type and what they print (a numpy value by its bytes; a
+default ``repr`` with an address by the type alone: locks, generators). A digest is
+deterministic across processes: no ``id``, no address, sets in sorted order. Nesting
+deeper than 64 levels raises :class:`TooDeep` instead of giving a partial digest.
 """
 
 from __future__ import annotations

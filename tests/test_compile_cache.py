@@ -11,7 +11,8 @@ import sys
 
 import pytest
 import torch
-from reference import mse
+from reference import mse, reference_run
+from tolerance import fp32_reference_error, params_atol
 
 import fasttorch
 from fasttorch import _compat
@@ -43,11 +44,14 @@ step = fasttorch.compiled(
     step, cache_dir=sys.argv[1], fullgraph=cfg.get("fullgraph", True),
     regions=bool(cfg.get("blocks")),
 )
+g = torch.Generator().manual_seed(1)
+def batch(rows):
+    return torch.randn(rows, 8, generator=g), torch.randn(rows, 4, generator=g)
 params = []
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     for rows in cfg.get("rows", [16]):
-        state, _ = step(state, (torch.randn(rows, 8), torch.randn(rows, 4)))
+        state, _ = step(state, batch(rows))
         params.append([p.tolist() for p in state.params.values()])
 out = {
     **_compat.inductor_cache_counts(),
@@ -120,6 +124,26 @@ def test_second_process_loads_the_traced_step_and_traces_nothing(cold, tmp_path)
     assert second["warnings"] == [], second
     assert second["params"] == first["params"]  # the same compiled code: the same bits
     assert not os.listdir(tmp_path / "own2")
+    _assert_matches_the_hand_written_loop(first["params"][0])
+
+
+def _assert_matches_the_hand_written_loop(params: list) -> None:
+    """The child's first step against torch.optim.AdamW over two microbatches of its
+    batch, by rule 2 (inductor's kernels and the eager loop order sums differently)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    windows = [list(zip(x.chunk(2), y.chunk(2)))]
+    make_opt = lambda p: torch.optim.AdamW(p, lr=1e-2)  # noqa: E731
+    ref, _ = reference_run(model, windows, make_opt=make_opt)
+    atol = params_atol(
+        fp32_reference_error(model, windows, make_opt=make_opt), dict(ref.named_parameters())
+    )
+    for got, (name, want) in zip(params, ref.named_parameters(), strict=True):
+        torch.testing.assert_close(
+            torch.tensor(got), want.detach(), rtol=0, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 @pytest.mark.slow
