@@ -119,9 +119,10 @@ def child(kind: str, layers: int, smoke: bool, cache: str | None) -> dict[str, A
     else:
         run = _fasttorch_step(model, backend, cache, regional=kind == "regional")
     data = _batches(smoke, 2 if smoke else 4)
-    t0 = time.perf_counter()
-    run(data[0])
-    first = time.perf_counter() - t0
+    with _compat.inductor_graph_seconds() as graphs:
+        t0 = time.perf_counter()
+        run(data[0])
+        first = time.perf_counter() - t0
     steady = []
     for b in data[1:]:
         t0 = time.perf_counter()
@@ -130,6 +131,7 @@ def child(kind: str, layers: int, smoke: bool, cache: str | None) -> dict[str, A
     return {
         "first": first,
         "step": statistics.median(steady),
+        "graphs": graphs,
         **_compat.compile_phase_seconds(),
         **_compat.inductor_cache_counts(),
     }
@@ -177,7 +179,7 @@ def table(rows: list[dict[str, Any]], depths: tuple[int, int]) -> str:
     """The Markdown table: per-kind medians, then the ratios (medians of per-round ratios)."""
 
     def get(kind: str, layers: int, key: str) -> list[float]:
-        return [x[key] for x in rows if x["kind"] == kind and x["layers"] == layers]
+        return [x[key] for x in rows if x["kind"] == kind and x["layers"] == layers and key in x]
 
     def med(xs: list[float]) -> str:
         return f"{statistics.median(xs):.1f}" if xs else "–"
@@ -185,8 +187,9 @@ def table(rows: list[dict[str, Any]], depths: tuple[int, int]) -> str:
     lo, hi = depths
     lines = [
         "| run | layers | first step (s) | dynamo (s) | backend (s) "
-        "| FX graphs generated / loaded | steady step (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| FX graphs generated / loaded | inductor per graph (s) [FX nodes] "
+        "| steady step (ms) |",
+        "|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     for kind, label in (
         ("model", "`torch.compile(model)`"),
@@ -201,6 +204,7 @@ def table(rows: list[dict[str, Any]], depths: tuple[int, int]) -> str:
                 f"| {label} | {layers} | {med(get(kind, layers, 'first'))} | "
                 f"{med(get(kind, layers, 'dynamo'))} | {med(get(kind, layers, 'backend'))} | "
                 f"{med(get(kind, layers, 'miss'))} / {med(get(kind, layers, 'hit'))} | "
+                f"{_per_graph(get(kind, layers, 'graphs'))} | "
                 f"{statistics.median(get(kind, layers, 'step')) * 1e3:.1f} |"
             )
 
@@ -231,6 +235,12 @@ def table(rows: list[dict[str, Any]], depths: tuple[int, int]) -> str:
         f"| {ratio(('regional', hi), ('step', hi))} | |",
     ]
     return "\n".join(lines)
+
+
+def _per_graph(runs: list[Any]) -> str:
+    """The first round's graphs, in the order inductor compiled them ("–" for none)."""
+    graphs = runs[0] if runs else []
+    return " + ".join(f"{s:.1f} [{n}]" for s, n in graphs) or "–"
 
 
 def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
@@ -269,7 +279,11 @@ def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
         "call's wall time, compile included; dynamo: tracing time in it "
         "(`compile_inner` and, for a step traced to be kept, `fullgraph_capture`, minus the "
         "backend); backend: AOT autograd and inductor inside "
-        "dynamo (the model's backward compiles outside it, at the first `backward`).",
+        "dynamo (the model's backward compiles outside it, at the first `backward`); "
+        "inductor per graph: each graph's lowering, scheduling, code generation and C++ "
+        "build, in the order they were done (the model's forward, then its backward; the "
+        "step's microbatch graph, then its update graph), with the graph's FX nodes, in "
+        "the first round.",
         "",
     ]
     if args.smoke:

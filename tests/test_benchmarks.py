@@ -394,7 +394,8 @@ def test_compile_time_table_ratios_are_per_round_medians():
         return {**x, "dynamo": 1.0, "backend": 2.0, "hit": 0, "miss": 2}
 
     rows = [
-        *(row(0, k, n, f) for k, n, f in [("model", 2, 10), ("step", 2, 20), ("model", 4, 12)]),
+        {**row(0, "model", 2, 10), "graphs": [[3.3, 100], [1.0, 50]]},
+        *(row(0, k, n, f) for k, n, f in [("step", 2, 20), ("model", 4, 12)]),
         *(row(0, k, n, f) for k, n, f in [("step", 4, 22), ("warm", 2, 3)]),
         *(row(1, k, n, f) for k, n, f in [("model", 2, 10), ("step", 2, 10), ("model", 4, 12)]),
         *(row(1, k, n, f) for k, n, f in [("step", 4, 11), ("warm", 2, 4)]),
@@ -406,6 +407,33 @@ def test_compile_time_table_ratios_are_per_round_medians():
     )
     assert "| cold compile, whole step, 4 / 2 layers | 1.10 [1.10-1.10] |" in text
     assert "| warm start (s), 2 layers, new process, `cache_dir` | 3.5 |" in text
+    # Per graph: the first round's, in order; none recorded (older rows, aot_eager): "–".
+    model = "| `torch.compile(model)` | 2 | 10.0 | 1.0 | 2.0 | 2.0 / 0.0 |"
+    assert f"{model} 3.3 [100] + 1.0 [50] |" in text
+    assert "| `fasttorch.compiled` | 2 | 15.0 | 1.0 | 2.0 | 2.0 / 0.0 | – |" in text
+
+
+def test_the_per_graph_timer_sees_each_graph_inductor_compiles_and_lets_go():
+    """``_compat.inductor_graph_seconds``, behind the benchmark's per-graph column: one
+    entry per graph inductor builds in the block (its FX nodes, its seconds), and
+    nothing recorded after the block."""
+    import random
+
+    from fasttorch import _compat
+
+    torch.compiler.reset()
+    shift = random.random()  # a constant of its own: no graph from inductor's cache
+
+    def f(x):
+        return torch.relu(x * 2 + shift)
+
+    with _compat.inductor_graph_seconds() as graphs:
+        torch.compile(f)(torch.randn(8))
+    assert len(graphs) == 1
+    seconds, nodes = graphs[0]
+    assert seconds > 0 and nodes >= 4  # placeholder, mul, add, relu, output
+    torch.compile(lambda x: x - shift)(torch.randn(8))
+    assert len(graphs) == 1
 
 
 def test_compile_time_smoke_run_writes_the_document(tmp_path):

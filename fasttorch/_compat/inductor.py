@@ -4,9 +4,11 @@ and the on-disk caches a warm start reads.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ __all__ = [
     "graph_pass_hash",
     "inductor_cache_counts",
     "inductor_caches_disabled",
+    "inductor_graph_seconds",
     "inductor_has_option",
     "inductor_mode_options",
     "use_inductor_cache_dir",
@@ -255,3 +258,41 @@ def with_cacheable_autocast(options: dict[str, Any]) -> dict[str, Any]:
     given = options.get("unsafe_marked_cacheable_functions") or {}
     mine = dict.fromkeys(_AUTOCAST_CALLS, torch.__version__)
     return {**options, "unsafe_marked_cacheable_functions": {**mine, **given}}
+
+
+@contextlib.contextmanager
+def inductor_graph_seconds() -> Iterator[list[tuple[float, int]]]:
+    """Inside the block, each graph inductor compiles: (wall seconds, FX nodes), in order.
+
+    Why: the compile-time benchmark splits a step's cold compile by graph (the
+    microbatch's forward and backward, the window's update), which
+    ``torch._dynamo.utils.compile_times()`` sums over the process. Inductor compiles
+    one FX graph to code in ``torch._inductor.compile_fx._InProcessFxCompile``'s
+    ``codegen_and_compile`` (lowering, scheduling, code generation, the C++ build);
+    it is timed there for the block. The list stays empty where inductor is organized
+    otherwise, or where a graph came from its cache.
+    """
+    graphs: list[tuple[float, int]] = []
+    try:
+        from torch._inductor import compile_fx
+    except ImportError:
+        yield graphs
+        return
+    owner = getattr(compile_fx, "_InProcessFxCompile", None)
+    inner = getattr(owner, "codegen_and_compile", None)
+    if owner is None or not callable(inner):
+        yield graphs
+        return
+
+    def timed(self: Any, gm: Any, *args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return inner(self, gm, *args, **kwargs)
+        finally:
+            graphs.append((time.perf_counter() - t0, len(gm.graph.nodes)))
+
+    owner.codegen_and_compile = timed
+    try:
+        yield graphs
+    finally:
+        owner.codegen_and_compile = inner
