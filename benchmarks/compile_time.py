@@ -238,7 +238,7 @@ def table(rows: list[dict[str, Any]], depths: tuple[int, int]) -> str:
 
 
 def _per_graph(runs: list[Any]) -> str:
-    """The first round's graphs, in the order inductor compiled them ("–" for none)."""
+    """The first round's graphs, in the order inductor finished them ("–" for none)."""
     graphs = runs[0] if runs else []
     return " + ".join(f"{s:.1f} [{n}]" for s, n in graphs) or "–"
 
