@@ -40,6 +40,7 @@ from fasttorch._tree import divide_aux as divide_aux
 from fasttorch._tree import global_norm as global_norm
 from fasttorch._tree import reciprocal as reciprocal
 from fasttorch._tree import scale_grads as scale_grads
+from fasttorch.optim._base import in_place_in_graph
 from fasttorch.state import TrainState, is_sharded, reshard
 from fasttorch.substates import any_declares
 
@@ -113,6 +114,10 @@ class GradOut(struct.Record):
             loss reached that parameter in the window (``sync_on_last``). Such a
             parameter is updated with its (averaged) gradient where true and kept as
             it is where false, as DDP with ``find_unused_parameters=True`` does.
+        donated: the step donates the state (``step.donate``), set by the runner
+            before the update phase. Static, so that a compiled step knows it while
+            tracing: on a CPU its optimizer then updates in place as the eager step
+            does (:func:`update_phase`).
     """
 
     grads: Tensors
@@ -125,6 +130,7 @@ class GradOut(struct.Record):
     counted: bool = struct.field(static=True, default=False)
     unused: frozenset[str] = struct.field(static=True, default=frozenset())
     reached: Tensors | None = None
+    donated: bool = struct.field(static=True, default=False)
 
 
 LossFn: TypeAlias = Callable[[Callable[..., Any], Batch], Any]
@@ -248,7 +254,12 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
     lr = state.optimizer.learning_rate(state.opt_state, state.step)
     eager_in_place = not torch.compiler.is_compiling() and _scope.current().in_place
     params, opt_state = _engine.apply_optimizer(
-        state.optimizer, state.params, state.opt_state, state.step, g, in_place=eager_in_place
+        state.optimizer,
+        state.params,
+        state.opt_state,
+        state.step,
+        g,
+        in_place=eager_in_place or _graph_in_place(state, g),
     )
     buffers, substates = state.buffers, state.substates
     if g.skip is not None:
@@ -268,6 +279,22 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         step=state.step.add_(1) if eager_in_place else state.step + 1,
     )
     return new, metrics
+
+
+def _graph_in_place(state: TrainState, g: GradOut) -> bool:
+    """Whether a compiled step's optimizer updates the donated state in place.
+
+    On a CPU, for an optimizer that asks for it (``optim._base.in_place_in_graph``:
+    ``adam(..., opaque=True)``), which then runs as one operator on the state's own
+    tensors. Not under ``vmap``, whose members' steps do not donate (``vmapped``), and
+    not on a GPU, where it was not measured.
+    """
+    return (
+        torch.compiler.is_compiling()
+        and g.donated
+        and state.device.type == "cpu"
+        and in_place_in_graph(state.optimizer)
+    )
 
 
 def unscaled_norm(g: GradOut) -> torch.Tensor:

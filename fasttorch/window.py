@@ -173,7 +173,7 @@ def _begins(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def apply_update(step: Step, state: TrainState, g: GradOut) -> Result:
     """The update phase, its result committed into ``state``'s tensors under donation."""
-    out = step.update(state, g)
+    out = step.update(state, g.replace(donated=step.donate))
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], TrainState)):
         raise TypeError(
             f"step {step.name!r}: its update phase returned {_returned(out)}; an update "

@@ -315,6 +315,18 @@ def in_cpu_graph(tensors: list[Tensor]) -> bool:
     return len(tensors) > 0 and tensors[0].device.type == "cpu" and torch.compiler.is_compiling()
 
 
+def in_place_in_graph(opt: object) -> bool:
+    """Whether ``opt.update(..., inplace=True)`` may run inside a compiled CPU step.
+
+    A compiled step that donates its state on a CPU passes ``inplace=True`` to an
+    optimizer whose ``in_place_in_graph`` is true (``adam(..., opaque=True)``, and
+    ``groups`` holding one), which then runs its update as one opaque operator on the
+    state's own tensors. Any other optimizer updates out of place there, as it always
+    has: its eager in-place form may read values to the host, which a graph cannot.
+    """
+    return bool(getattr(opt, "in_place_in_graph", False))
+
+
 def update_used(
     opt: Optimizer,
     params: Mapping[str, Tensor],

@@ -46,6 +46,12 @@ class Adam:
     eps: float = 1e-8
     weight_decay: float = 0.0
     decoupled_weight_decay: bool = False
+    opaque: bool = attrs.field(default=False, kw_only=True)
+
+    @property
+    def in_place_in_graph(self) -> bool:
+        """Whether a donated compiled CPU step updates in place: as one operator, opaque."""
+        return self.opaque
 
     def __attrs_post_init__(self) -> None:
         owner = "adamw" if self.decoupled_weight_decay else "adam"
@@ -59,6 +65,8 @@ class Adam:
         check_hyper(owner, "beta2", self.betas[1])
         check_hyper(owner, "eps", self.eps)
         check_hyper(owner, "weight_decay", self.weight_decay)
+        if not isinstance(self.opaque, bool):
+            raise TypeError(f"{owner}: opaque must be a bool, got {self.opaque!r}")
 
     def init(self, params: Mapping[str, Tensor]) -> OptState:
         """Count 0, hyperparameters as 0-d float32 tensors, zero first and second moments."""
@@ -99,9 +107,15 @@ class Adam:
         where fresh allocations cost more than the arithmetic); both run the same
         kernels in the same order, so they give the same bits. In place on a GPU
         (:data:`~fasttorch.optim._fused.FUSED_DEVICES`) the update is torch's fused
-        kernel, ``torch.optim.AdamW(fused=True)``'s, one launch per dtype.
+        kernel, ``torch.optim.AdamW(fused=True)``'s, one launch per dtype. With
+        ``opaque=True``, in place in a CPU graph (a donated compiled step) is one
+        operator, ``fasttorch::adam_``, that runs the eager in-place form.
         """
         names = list(params)
+        p = [params[n] for n in names]
+        # In a graph, in place only as one opaque operator (a donated CPU step).
+        opaque = inplace and self.opaque and in_cpu_graph(p)
+        inplace = inplace and (opaque or not torch.compiler.is_compiling())
         # In place, the count is the state's own tensor too (no allocation at the peak).
         count = opt_state.count.add_(1) if inplace else opt_state.count + 1
         if not names:
@@ -109,10 +123,14 @@ class Adam:
         h = opt_state.hyper
         with torch.no_grad():
             lr = self.learning_rate(opt_state, step)
-            p = [params[n] for n in names]
             g = [grads[n] for n in names]
             m = [opt_state.slots["exp_avg"][n] for n in names]
             v = [opt_state.slots["exp_avg_sq"][n] for n in names]
+            if opaque:
+                hyper = [h[k] for k in ("beta1", "beta2", "eps", "weight_decay")]
+                decoupled = self.decoupled_weight_decay
+                torch.ops.fasttorch.adam_(p, g, m, v, lr, count, *hyper, decoupled)
+                return dict(zip(names, p)), opt_state.replace(count=count)
             if in_cpu_graph(p) and not inplace:
                 p, m, v = self._graph_update(p, g, m, v, lr, count, h)
                 slots = {"exp_avg": dict(zip(names, m)), "exp_avg_sq": dict(zip(names, v))}
@@ -340,6 +358,39 @@ class Adam:
         return list(torch._foreach_sub(p, u)), m, v
 
 
+def _adam_impl(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    lr: Tensor,
+    count: Tensor,
+    beta1: Tensor,
+    beta2: Tensor,
+    eps: Tensor,
+    weight_decay: Tensor,
+    decoupled: bool,
+) -> None:
+    """``Adam._foreach`` in place: what a donated eager step runs, so the same bits."""
+    h = {"beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
+    opt = Adam(0.0, decoupled_weight_decay=decoupled)
+    with torch.no_grad():
+        opt._foreach(params, grads, exp_avgs, exp_avg_sqs, lr, count, h, inplace=True)
+
+
+# Adam's update as one operator the compiler does not look into (``Adam.opaque``):
+# inside a donated step inductor calls it on the state's own tensors, and generates
+# no code per parameter tensor. torch.library.custom_op is public API.
+_adam_op = torch.library.custom_op(
+    "fasttorch::adam_", _adam_impl, mutates_args=("params", "grads", "exp_avgs", "exp_avg_sqs")
+)
+
+
+@_adam_op.register_fake
+def _adam_fake(*args: Any) -> None:
+    """Nothing to compute: the operator writes into its arguments and returns nothing."""
+
+
 @functools.lru_cache(maxsize=64)
 def _host_weight(beta1: float, dtype: torch.dtype) -> float:
     """``1 - beta1`` as the float32 tensors compute it, then rounded to ``dtype``.
@@ -365,6 +416,7 @@ def adam(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    opaque: bool = False,
 ) -> Adam:
     """Adam, numerically ``torch.optim.Adam`` (``_single_tensor_adam``, amsgrad off).
 
@@ -380,6 +432,10 @@ def adam(
         betas: ``(beta1, beta2)``, each in [0, 1).
         eps: added to the denominator, >= 0.
         weight_decay: L2 penalty added to the gradient, >= 0.
+        opaque: in a compiled step that donates its state on a CPU, run the update as
+            one operator the compiler does not look into (the eager step's kernels):
+            its compile time no longer grows with the parameter tensors, each step's
+            update takes what the eager one takes (docs/optimizers.md, "Opaque update").
 
     Returns:
         An :class:`Adam` optimizer.
@@ -397,7 +453,7 @@ def adam(
         >>> params["w"]
         tensor([0.9000, 0.9000])
     """
-    return Adam(lr, betas, eps, weight_decay, decoupled_weight_decay=False)
+    return Adam(lr, betas, eps, weight_decay, decoupled_weight_decay=False, opaque=opaque)
 
 
 def adamw(
@@ -406,6 +462,7 @@ def adamw(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
+    opaque: bool = False,
 ) -> Adam:
     """AdamW, numerically ``torch.optim.AdamW`` (``_single_tensor_adam``, decoupled decay).
 
@@ -417,6 +474,7 @@ def adamw(
         betas: ``(beta1, beta2)``, each in [0, 1).
         eps: added to the denominator, >= 0.
         weight_decay: decoupled decay factor, >= 0.
+        opaque: as in :func:`adam`.
 
     Returns:
         An :class:`Adam` optimizer with ``decoupled_weight_decay=True``.
@@ -434,4 +492,4 @@ def adamw(
         >>> params["w"]
         tensor([0.8500, 0.8500])
     """
-    return Adam(lr, betas, eps, weight_decay, decoupled_weight_decay=True)
+    return Adam(lr, betas, eps, weight_decay, decoupled_weight_decay=True, opaque=opaque)

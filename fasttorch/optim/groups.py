@@ -8,10 +8,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import torch
 from torch import Tensor
 
 from fasttorch import struct
-from fasttorch.optim._base import Optimizer, OptState
+from fasttorch.optim._base import Optimizer, OptState, in_place_in_graph
 
 __all__ = ["Groups", "GroupsState", "Selector", "groups"]
 
@@ -96,6 +97,12 @@ class Groups:
     # step must run itself (a state that does not name the groups, a group of groups)
     # then trace under compile, which fnmatch does not.
     _patterns: tuple[Selector, ...] = attrs.field(init=False, eq=False, repr=False)
+
+    @property
+    def in_place_in_graph(self) -> bool:
+        """Whether a group's optimizer updates in place in a donated compiled CPU step
+        (``adam(..., opaque=True)``): ``inplace`` is passed on to those only."""
+        return any(in_place_in_graph(opt) for opt in self.optimizers)
 
     @_patterns.default
     def _translate(self) -> tuple[Selector, ...]:
@@ -192,15 +199,17 @@ class Groups:
         for i, (opt, names) in enumerate(zip(self.optimizers, self._split(params, opt_state))):
             if not names:
                 continue
+            # In a graph, in place only for an optimizer written for it (in_place_in_graph).
+            own = inplace and (not torch.compiler.is_compiling() or in_place_in_graph(opt))
             # In place, an optimizer may advance the count it is given: each gets a copy.
-            count = opt_state.count.clone() if inplace else opt_state.count
+            count = opt_state.count.clone() if own else opt_state.count
             sub = self._sub_state(opt_state, i, names, count)
             p, s = opt.update(
                 {n: params[n] for n in names},
                 {n: grads[n] for n in names},
                 sub,
                 step,
-                inplace=inplace,
+                inplace=own,
             )
             new_params.update(p)
             for k, v in s.slots.items():

@@ -1,0 +1,192 @@
+"""``adam(..., opaque=True)``: in a compiled CPU step that donates its state, the update
+is one operator (``fasttorch::adam_``) that runs the eager step's in-place kernels."""
+
+from __future__ import annotations
+
+import copy
+import operator
+import warnings
+
+import pytest
+import torch
+from reference import LayerNormNet, batches, mse, reference_run
+from tolerance import EXACT, fp32_reference_error, params_atol, reference_error
+
+import fasttorch
+from fasttorch import optim
+
+ADAM_OP = torch.ops.fasttorch.adam_.default
+LR = 1e-2
+
+
+class Graphs:
+    """A backend that keeps dynamo's graphs and runs them as AOT autograd's ATen
+    graphs, op by op (``aot_eager``)."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example: list[torch.Tensor]):
+        from torch._dynamo.backends.debugging import aot_eager
+
+        self.graphs.append(gm)
+        return aot_eager(gm, example)
+
+    def calls(self, target: object) -> int:
+        return sum(
+            n.op == "call_function" and n.target in (target, ADAM_OP)
+            for gm in self.graphs
+            for n in gm.graph.nodes
+        )
+
+    def per_tensor_calls(self) -> int:
+        """Calls in the graphs other than getitem, the operator and the model's."""
+        return sum(
+            n.op in ("call_function", "call_method") and n.target is not operator.getitem
+            for gm in self.graphs
+            for n in gm.graph.nodes
+        )
+
+
+def _composed(donate: bool = True) -> fasttorch.Step:
+    s = fasttorch.with_amp(fasttorch.step(mse, donate=donate), "bf16")
+    return fasttorch.clip_scaled(fasttorch.grad_accumulate(s, 2), 1.0)
+
+
+def _train(model, opt, step, data):
+    state = fasttorch.TrainState.create(copy.deepcopy(model), opt)
+    for b in data:
+        state, _ = step(state, b)
+    return state
+
+
+@pytest.mark.parametrize("make", [optim.adamw, optim.adam], ids=["adamw", "adam"])
+def test_the_opaque_update_gives_the_eager_steps_bits(make):
+    """Rule 1: the operator runs the donated eager step's kernels on the same values."""
+    torch.manual_seed(0)
+    model, data = LayerNormNet(), batches(4, 16)
+    opaque = make(LR, weight_decay=0.1, opaque=True)
+    backend = Graphs()
+    eager = _train(model, opaque, _composed(), data)
+    fast = _train(model, opaque, fasttorch.compiled(_composed(), backend=backend), data)
+    plain = _train(model, make(LR, weight_decay=0.1), fasttorch.compiled(_composed()), data)
+    assert backend.calls(torch.ops.fasttorch.adam_) == 1
+    for name, p in eager.params.items():
+        torch.testing.assert_close(fast.params[name], p, **EXACT)
+        for slot in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(
+                fast.opt_state.slots[slot][name], eager.opt_state.slots[slot][name], **EXACT
+            )
+    assert int(fast.opt_state.count) == int(eager.opt_state.count) == 4
+    # Rule 2 (+ 4: bf16) against the hand-written loop, as without the operator.
+    windows = [list(zip(x.tensor_split(2), y.tensor_split(2))) for x, y in data]
+    torch_opt = torch.optim.AdamW if make is optim.adamw else torch.optim.Adam
+
+    def make_opt(params):
+        return torch_opt(params, lr=LR, weight_decay=0.1)
+
+    ref, _ = reference_run(model, windows, make_opt=make_opt, precision="bf16", clip=1.0)
+    error = reference_error(model, windows, make_opt=make_opt, clip=1.0)
+    atol = params_atol(error.params, plain.params, precision="bf16", steps=4, lr=LR)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(fast.params[name], p.detach(), rtol=0, atol=atol)
+
+
+def test_the_update_graph_holds_one_operator_whatever_the_parameter_count():
+    """Dynamo traces one call for the update, not one per parameter tensor."""
+
+    def calls(width: int, opaque: bool) -> int:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(width)))
+        backend = Graphs()
+        step = fasttorch.compiled(fasttorch.step(mse), backend=backend)
+        state = fasttorch.TrainState.create(model, optim.adamw(LR, opaque=opaque))
+        x, y = torch.randn(4, 8), torch.randn(4, 8)
+        step(state, (x, y))
+        return backend.per_tensor_calls()
+
+    # Each Linear adds its forward and backward calls (the same either way) and, with
+    # the update in the graph, Adam's per-tensor lerp for its two tensors.
+    model_and_update = calls(6, False) - calls(3, False)
+    model_only = calls(6, True) - calls(3, True)
+    assert model_and_update - model_only == 3 * 2  # 3 more layers, 2 lerps each
+
+
+def test_not_donated_the_update_stays_in_the_graph():
+    """``donate=False``: the state's tensors are the caller's; the graph's own form."""
+    torch.manual_seed(0)
+    backend = Graphs()
+    step = fasttorch.compiled(fasttorch.step(mse, donate=False), backend=backend)
+    state = fasttorch.TrainState.create(LayerNormNet(), optim.adamw(LR, opaque=True))
+    before = {k: v.clone() for k, v in state.params.items()}
+    step(state, batches(1, 8)[0])
+    assert backend.calls(torch.ops.fasttorch.adam_) == 0
+    for k, v in before.items():
+        torch.testing.assert_close(state.params[k], v, **EXACT)  # left as it was
+
+
+def test_changed_hyperparameters_reach_the_operator_without_a_recompile():
+    torch.manual_seed(0)
+    model, data = LayerNormNet(), batches(4, 16)
+    opt = optim.adamw(LR, weight_decay=0.1, opaque=True)
+    out = []
+    for step in (fasttorch.step(mse), fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")):
+        state = fasttorch.TrainState.create(copy.deepcopy(model), opt)
+        for i, b in enumerate(data):
+            if i == 2:
+                state = state.replace(
+                    opt_state=optim.set_hyperparams(
+                        state.opt_state, in_place=True, lr=LR / 2, weight_decay=0.3, beta2=0.99
+                    )
+                )
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", fasttorch.RecompileWarning)
+                state, _ = step(state, b)
+        out.append(state)
+    for name, p in out[0].params.items():
+        torch.testing.assert_close(out[1].params[name], p, **EXACT)
+
+
+def test_groups_pass_in_place_to_the_opaque_optimizer_only():
+    """An opaque AdamW beside SGD in groups: compiled equals eager bit for bit."""
+    torch.manual_seed(0)
+    model, data = LayerNormNet(), batches(4, 16)
+    opt = optim.groups(optim.sgd(LR, momentum=0.9), [("*.weight", optim.adamw(LR, opaque=True))])
+    assert opt.in_place_in_graph and not optim.groups(optim.sgd(LR), []).in_place_in_graph
+    backend = Graphs()
+    eager = _train(model, opt, fasttorch.step(mse), data)
+    fast = _train(model, opt, fasttorch.compiled(fasttorch.step(mse), backend=backend), data)
+    assert backend.calls(torch.ops.fasttorch.adam_) == 1
+    for name, p in eager.params.items():
+        torch.testing.assert_close(fast.params[name], p, **EXACT)
+
+
+def test_opaque_must_be_a_bool():
+    with pytest.raises(TypeError, match="opaque must be a bool"):
+        optim.adamw(LR, opaque="yes")  # type: ignore[arg-type]
+    assert optim.adamw(LR, opaque=True) != optim.adamw(LR)  # part of the configuration
+
+
+@pytest.mark.slow
+def test_inductor_calls_the_operator_on_the_donated_tensors():
+    """The one inductor compile here: the operator runs in the generated code, on the
+    state.s own tensors."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    data = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(3)]
+    opt = optim.adamw(LR, opaque=True)
+    state = fasttorch.TrainState.create(copy.deepcopy(model), opt)
+    storage = {k: v.untyped_storage().data_ptr() for k, v in state.params.items()}
+    step = fasttorch.compiled(fasttorch.step(mse))
+    for b in data:
+        state, _ = step(state, b)
+    assert {k: v.untyped_storage().data_ptr() for k, v in state.params.items()} == storage
+    eager = _train(model, opt, fasttorch.step(mse), data)
+    assert int(state.opt_state.count) == int(eager.opt_state.count) == 3
+    # Inductor's forward and backward round otherwise than eager's: rule 2.
+    errors = fp32_reference_error(
+        model, [[b] for b in data], make_opt=lambda p: torch.optim.AdamW(p, lr=LR)
+    )
+    atol = params_atol(errors, eager.params)
+    for name, p in eager.params.items():
+        torch.testing.assert_close(state.params[name], p, rtol=0, atol=atol)
