@@ -18,7 +18,10 @@ autocast, 4 microbatches, clip to norm 1, AdamW):
   compiled once, with inductor's Python wrapper, since its C++ wrapper cannot call a
   subgraph (``NotImplementedError`` in torch 2.13's
   ``cpp_wrapper_cpu.codegen_invoke_subgraph``); ``regions="auto"`` leaves it off on the
-  CPU, and this row is the measurement behind that (docs/design.md).
+  CPU, and this row is the measurement behind that (docs/design.md);
+* ``opaque`` and ``regional_opaque``: ``step`` and ``regional`` with
+  ``adamw(..., opaque=True)``, the update one operator the compiler does not look into
+  (the eager step's kernels), so that no graph grows with the parameter tensors.
 
 Within a round the processes run one after the other, depths interleaved (``model`` and
 ``step`` at each depth, then ``warm``), so load on the machine hits them alike; the
@@ -90,10 +93,13 @@ def _model_loop(model: Any, backend: str) -> Any:
     return run
 
 
-def _fasttorch_step(model: Any, backend: str, cache: str | None, regional: bool = False) -> Any:
+def _fasttorch_step(
+    model: Any, backend: str, cache: str | None, regional: bool = False, opaque: bool = False
+) -> Any:
     import fasttorch
 
-    state = [fasttorch.TrainState.create(model, fasttorch.optim.adamw(1e-3, weight_decay=0.01))]
+    opt = fasttorch.optim.adamw(1e-3, weight_decay=0.01, opaque=opaque)
+    state = [fasttorch.TrainState.create(model, opt)]
     inner = fasttorch.with_amp(fasttorch.step(_loss), "bf16")
     step = fasttorch.clip_scaled(fasttorch.grad_accumulate(inner, ACCUM), 1.0)
     kwargs: dict[str, Any] = {"cache_dir": cache} if backend == "inductor" else {}
@@ -117,7 +123,8 @@ def child(kind: str, layers: int, smoke: bool, cache: str | None) -> dict[str, A
     if kind == "model":
         run = _model_loop(model, backend)
     else:
-        run = _fasttorch_step(model, backend, cache, regional=kind == "regional")
+        regional, opaque = kind in ("regional", "regional_opaque"), kind.endswith("opaque")
+        run = _fasttorch_step(model, backend, cache, regional=regional, opaque=opaque)
     data = _batches(smoke, 2 if smoke else 4)
     with _compat.inductor_graph_seconds() as graphs:
         t0 = time.perf_counter()
@@ -157,7 +164,8 @@ def measure(depths: tuple[int, int], rounds: int, smoke: bool) -> list[dict[str,
         with tempfile.TemporaryDirectory(prefix="fasttorch-compile-bench-") as tmp:
             caches = {}
             for layers in depths:
-                kinds = ("model", "step", "regional") if layers == depths[1] else ("model", "step")
+                kinds: tuple[str, ...] = ("model", "step", "opaque", "regional_opaque")
+                kinds += ("regional",) if layers == depths[1] else ()
                 for kind in kinds:
                     cache = os.path.join(tmp, f"cache-{kind}-{layers}")
                     if kind == "step":  # the one the warm run starts from
@@ -196,6 +204,8 @@ def table(rows: list[dict[str, Any]], depths: tuple[int, int]) -> str:
         ("step", "`fasttorch.compiled`"),
         ("warm", "`fasttorch.compiled`, warm"),
         ("regional", "`fasttorch.compiled(..., regions=True)`"),
+        ("opaque", "`fasttorch.compiled`, `adamw(..., opaque=True)`"),
+        ("regional_opaque", "`fasttorch.compiled(..., regions=True)`, `opaque=True`"),
     ):
         for layers in depths:
             if not get(kind, layers, "first"):
@@ -208,12 +218,12 @@ def table(rows: list[dict[str, Any]], depths: tuple[int, int]) -> str:
                 f"{statistics.median(get(kind, layers, 'step')) * 1e3:.1f} |"
             )
 
-    def ratio(a: tuple[str, int], b: tuple[str, int]) -> str:
-        if not get(*a, "first") or not get(*b, "first"):  # type: ignore[arg-type]
+    def ratio(a: tuple[str, int], b: tuple[str, int], key: str = "first") -> str:
+        if not get(*a, key) or not get(*b, key):  # type: ignore[arg-type]
             return "not measured"
         xs = [
             x / y
-            for x, y in zip(get(*a, "first"), get(*b, "first"), strict=True)  # type: ignore[arg-type]
+            for x, y in zip(get(*a, key), get(*b, key), strict=True)  # type: ignore[arg-type]
         ]
         return f"{statistics.median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
 
@@ -233,7 +243,25 @@ def table(rows: list[dict[str, Any]], depths: tuple[int, int]) -> str:
         f"| {med(get('warm', lo, 'first'))} | <= 5 |",
         f"| cold compile, blocks as one region / whole step, {hi} layers "
         f"| {ratio(('regional', hi), ('step', hi))} | |",
+        f"| cold compile, whole step, `opaque=True` / `torch.compile(model)`, {lo} layers "
+        f"| {ratio(('opaque', lo), ('model', lo))} | <= 1.3 |",
+        f"| cold compile, whole step, `opaque=True`, {hi} / {lo} layers "
+        f"| {ratio(('opaque', hi), ('opaque', lo))} | <= 1.2 |",
     ]
+    for layers in depths:
+        lines.append(
+            f"| cold compile, regions and `opaque=True` / `torch.compile(model)`, {layers} "
+            f"layers | {ratio(('regional_opaque', layers), ('model', layers))} | |"
+        )
+    lines.append(
+        f"| cold compile, regions and `opaque=True`, {hi} / {lo} layers "
+        f"| {ratio(('regional_opaque', hi), ('regional_opaque', lo))} | |"
+    )
+    for layers in depths:
+        lines.append(
+            f"| steady step, `opaque=True` / whole step, {layers} layers "
+            f"| {ratio(('opaque', layers), ('step', layers), 'step')} | |"
+        )
     return "\n".join(lines)
 
 
@@ -272,7 +300,10 @@ def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
         "`compiled(..., regions=True)`, each of the GPT's blocks a call of one "
         "`torch.compiler.nested_compile_region`, with inductor's Python wrapper (its C++ "
         'wrapper cannot call a subgraph); on the CPU `regions="auto"` leaves it off '
-        '(docs/design.md, "Recompiles, warm starts, regional compilation"). Warm: the '
+        '(docs/design.md, "Recompiles, warm starts, regional compilation"). '
+        "`opaque=True`: the same steps with `adamw(..., opaque=True)`, whose update in a "
+        "compiled step that donates its state on a CPU is one operator running the eager "
+        'step\'s kernels (docs/optimizers.md, "Opaque update"). Warm: the '
         "same step in a new process given the first "
         'one\'s `cache_dir` (docs/transforms.md, "Warm starts"): it loads the traced '
         "step the first process kept there, so dynamo does not run. First step: the first "
@@ -293,7 +324,7 @@ def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--child", choices=("model", "step", "regional"))
+    p.add_argument("--child", choices=("model", "step", "regional", "opaque", "regional_opaque"))
     p.add_argument("--layers", default="12,24")
     p.add_argument("--cache", default="")
     p.add_argument("--rounds", type=int, default=1)

@@ -455,7 +455,11 @@ def test_compile_time_smoke_run_writes_the_document(tmp_path):
     assert sorted((r["kind"], r["layers"]) for r in rows) == [
         ("model", 1),
         ("model", 2),
+        ("opaque", 1),
+        ("opaque", 2),
         ("regional", 2),
+        ("regional_opaque", 1),
+        ("regional_opaque", 2),
         ("step", 1),
         ("step", 2),
     ]
@@ -464,6 +468,8 @@ def test_compile_time_smoke_run_writes_the_document(tmp_path):
     assert "do not edit by hand" in text and "Smoke run" in text
     assert "cold compile, whole step / `torch.compile(model)`" in text
     assert "cold compile, blocks as one region / whole step, 2 layers" in text
+    assert "cold compile, whole step, `opaque=True`, 2 / 1 layers" in text
+    assert "steady step, `opaque=True` / whole step, 2 layers" in text
 
 
 def test_population_smoke_writes_its_table(tmp_path):
