@@ -34,7 +34,8 @@ if cfg.get("blocks"):  # two identical blocks: regions apply
     model = torch.nn.Sequential(block(), block(), torch.nn.Linear(8, 4))
 else:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(cfg.get("lr", 1e-2)))
+opt = fasttorch.optim.adamw(cfg.get("lr", 1e-2), opaque=cfg.get("opaque", False))
+state = fasttorch.TrainState.create(model, opt)
 def mse(apply, batch):
     return torch.nn.functional.mse_loss(apply(batch[0]), batch[1])
 step = fasttorch.grad_accumulate(fasttorch.step(mse), 2)
@@ -156,6 +157,24 @@ def test_a_loaded_step_falls_back_when_its_tensor_guards_fail(cold, tmp_path):
     assert out["loaded"] == 2 and out["params"][0] == first["params"][0], out
     assert any("does not fit this call" in w for w in out["warnings"]), out["warnings"]
     assert all(math.isfinite(x) for p in out["params"][1] for x in _flat(p))
+
+
+@pytest.mark.slow
+@keeps_traced_steps
+def test_a_step_with_the_opaque_update_is_kept_and_loaded(cold, tmp_path):
+    """``adamw(..., opaque=True)``: its operator is registered when fasttorch is
+    imported, so a second process loads the kept step with it; a new digest, not the
+    step kept without it."""
+    cache = str(tmp_path / "cache")
+    first = _process(cache, str(tmp_path / "own1"), opaque=True)
+    assert first["kept"] == 2 and first["loaded"] == 0 and first["warnings"] == [], first
+    second = _process(cache, str(tmp_path / "own2"), opaque=True)
+    assert second["loaded"] == 2 and second["dynamo"] == 0 and second["miss"] == 0, second
+    assert second["params"] == first["params"]
+    _assert_matches_the_hand_written_loop(first["params"][0])
+    _, _, copy = cold
+    out = _process(copy("copy-opaque"), str(tmp_path / "own3"), opaque=True)
+    assert out["loaded"] == 0 and out["kept"] == 2, out  # the optimizer is in the digest
 
 
 @pytest.mark.slow
