@@ -14,6 +14,7 @@ from typing import Any, TypeAlias
 import torch
 import torch.utils._pytree as pytree
 
+from fasttorch import _opaque
 from fasttorch.optim._base import computed_once, in_cpu_graph
 
 __all__ = [
@@ -58,14 +59,21 @@ def reciprocal(scale: torch.Tensor) -> torch.Tensor:
     return scale.double().reciprocal().float()
 
 
-def scale_grads(grads: Mapping[str, torch.Tensor], factor: torch.Tensor) -> Tensors:
+def scale_grads(
+    grads: Mapping[str, torch.Tensor], factor: torch.Tensor, *, opaque: bool = False
+) -> Tensors:
     """``grads`` times ``factor``: in place in eager mode (the update phase owns them).
 
     In a graph, out of place: an in-place multiply of a graph input (the accumulation
     window's gradients) would be written back into it, a copy of every gradient for
-    nothing. The same multiplication either way, so the same bits.
+    nothing. The same multiplication either way, so the same bits. With ``opaque``
+    (:func:`fasttorch.phases.opaque_update`), in a CPU graph, in place as one operator
+    the compiler does not look into (:mod:`fasttorch._opaque`).
     """
     ts = list(grads.values())
+    if opaque and in_cpu_graph(ts):
+        _opaque.foreach_mul_(ts, factor)
+        return dict(grads)
     if in_cpu_graph(ts):
         # by a factor computed once (computed_once); one traced call for all tensors
         (factor,) = computed_once(factor)
@@ -75,16 +83,19 @@ def scale_grads(grads: Mapping[str, torch.Tensor], factor: torch.Tensor) -> Tens
     return dict(grads)
 
 
-def global_norm(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def global_norm(tensors: Mapping[str, torch.Tensor], *, opaque: bool = False) -> torch.Tensor:
     """Global L2 norm, computed as ``torch.nn.utils.clip_grad_norm_`` does.
 
     In a CPU graph the per-tensor norms are ``linalg.vector_norm`` reductions, which
     inductor generates and fuses with what computes the gradients (the mean over an
     accumulation window); ``_foreach_norm`` has no CPU lowering and would need every
     gradient written out first for the ATen call. On CPU ``_foreach_norm`` is that same
-    per-tensor call in eager mode.
+    per-tensor call in eager mode. With ``opaque`` (:func:`scale_grads`), in a CPU graph
+    the eager computation as one operator.
     """
     ts = list(tensors.values())
+    if opaque and in_cpu_graph(ts):
+        return _opaque.global_norm(ts)
     if in_cpu_graph(ts):
         norms = [torch.linalg.vector_norm(t) for t in ts]
     else:

@@ -58,6 +58,7 @@ __all__ = [
     "grad_phase",
     "loss_phase",
     "mark_skip",
+    "opaque_update",
     "reciprocal",
     "scale_grads",
     "skip_empty_window",
@@ -116,8 +117,8 @@ class GradOut(struct.Record):
             it is where false, as DDP with ``find_unused_parameters=True`` does.
         donated: the step donates the state (``step.donate``), set by the runner
             before the update phase. Static, so that a compiled step knows it while
-            tracing: on a CPU its optimizer then updates in place as the eager step
-            does (:func:`update_phase`).
+            tracing: on a CPU an opaque optimizer then updates in place as the eager
+            step does (:func:`opaque_update`).
     """
 
     grads: Tensors
@@ -250,7 +251,8 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
     transform wrapping this phase reads the final skip flag from the metrics whatever
     the order it was applied in.
     """
-    norm = unscaled_norm(g)
+    opaque = opaque_update(state, g.donated)
+    norm = unscaled_norm(g, opaque=opaque)
     lr = state.optimizer.learning_rate(state.opt_state, state.step)
     eager_in_place = not torch.compiler.is_compiling() and _scope.current().in_place
     params, opt_state = _engine.apply_optimizer(
@@ -259,7 +261,7 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         state.opt_state,
         state.step,
         g,
-        in_place=eager_in_place or _graph_in_place(state, g),
+        in_place=eager_in_place or opaque,
     )
     buffers, substates = state.buffers, state.substates
     if g.skip is not None:
@@ -281,31 +283,37 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
     return new, metrics
 
 
-def _graph_in_place(state: TrainState, g: GradOut) -> bool:
-    """Whether a compiled step's optimizer updates the donated state in place.
+def opaque_update(state: TrainState, donated: bool) -> bool:
+    """Whether a compiled step's update runs opaque, in place on the donated state.
 
-    On a CPU, for an optimizer that asks for it (``optim._base.in_place_in_graph``:
-    ``adam(..., opaque=True)``), which then runs as one operator on the state's own
-    tensors. Not under ``vmap``, whose members' steps do not donate (``vmapped``), and
-    not on a GPU, where it was not measured.
+    On a CPU, in a step that donates its state (``donated``: ``GradOut.donated``, or
+    ``step.donate`` before the update phase), for an optimizer that asks for it
+    (``optim._base.in_place_in_graph``: ``adam(..., opaque=True)``). The optimizer then
+    runs as one operator on the state's own tensors, and the arithmetic over the
+    gradients before it (the window's mean, the global norm, the clip's scaling) as
+    operators of :mod:`fasttorch._opaque` on the gradients the update owns: pass it as
+    ``opaque=`` to :func:`global_norm`, :func:`scale_grads` and :func:`unscaled_norm`.
+    Not under ``vmap``, whose members' steps do not donate (``vmapped``), and not on a
+    GPU, where it was not measured.
     """
     return (
         torch.compiler.is_compiling()
-        and g.donated
+        and donated
         and state.device.type == "cpu"
         and in_place_in_graph(state.optimizer)
     )
 
 
-def unscaled_norm(g: GradOut) -> torch.Tensor:
+def unscaled_norm(g: GradOut, *, opaque: bool = False) -> torch.Tensor:
     """The global norm of ``g``'s true gradients: ``g.norm`` once known, else computed.
 
     Gradients that still carry a loss scale have their norm divided by it, as
-    ``GradScaler.unscale_`` followed by ``clip_grad_norm_`` computes it.
+    ``GradScaler.unscale_`` followed by ``clip_grad_norm_`` computes it. ``opaque``: as
+    in :func:`global_norm` (:func:`opaque_update`).
     """
     if g.norm is not None:
         return g.norm
-    norm = global_norm(g.grads)
+    norm = global_norm(g.grads, opaque=opaque)
     return norm if g.scale is None else norm * reciprocal(g.scale)
 
 

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from fasttorch import _scope
+from fasttorch import _opaque, _scope
 from fasttorch._accum import (
     KEY,
     AccumState,
@@ -48,6 +48,7 @@ from fasttorch.phases import (
     Metrics,
     Tensors,
     UpdatePhase,
+    opaque_update,
     skip_empty_window,
 )
 from fasttorch.state import TrainState, commit, is_sharded
@@ -348,7 +349,9 @@ def _close(
     owned = not reset or step.donate
     total = acc.weight.clone()  # the window is zeroed below when it is the state's
     ts = list(acc.grads.values())
-    if owned and not torch.compiler.is_compiling():
+    if owned and ts and opaque_update(state, step.donate):
+        _opaque.foreach_div_(ts, total)  # as below, as one operator (phases.opaque_update)
+    elif owned and not torch.compiler.is_compiling():
         # In place saves an allocation in eager mode. In a graph it would make the
         # graph write the quotients back into its input, the window: a copy of every
         # gradient that the next window's zeroing throws away.

@@ -3,6 +3,7 @@ is one operator (``fasttorch::adam_``) that runs the eager step's in-place kerne
 
 from __future__ import annotations
 
+import collections
 import copy
 import operator
 import warnings
@@ -93,24 +94,71 @@ def test_the_opaque_update_gives_the_eager_steps_bits(make):
         torch.testing.assert_close(fast.params[name], p.detach(), rtol=0, atol=atol)
 
 
-def test_the_update_graph_holds_one_operator_whatever_the_parameter_count():
-    """Dynamo traces one call for the update, not one per parameter tensor."""
+@pytest.mark.parametrize("composed", [False, True], ids=["plain", "accumulated_clipped"])
+def test_the_update_graph_holds_one_operator_whatever_the_parameter_count(composed):
+    """Dynamo traces one call for each of the update's computations over every
+    gradient (the window's mean, the global norm, the clip's scaling, Adam), not one
+    per parameter tensor."""
 
     def calls(width: int, opaque: bool) -> int:
         torch.manual_seed(0)
         model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(width)))
         backend = Graphs()
-        step = fasttorch.compiled(fasttorch.step(mse), backend=backend)
+        inner = fasttorch.step(mse)
+        if composed:
+            inner = fasttorch.clip_scaled(fasttorch.grad_accumulate(inner, 2), 1.0)
+        step = fasttorch.compiled(inner, backend=backend)
         state = fasttorch.TrainState.create(model, optim.adamw(LR, opaque=opaque))
         x, y = torch.randn(4, 8), torch.randn(4, 8)
         step(state, (x, y))
         return backend.per_tensor_calls()
 
     # Each Linear adds its forward and backward calls (the same either way) and, with
-    # the update in the graph, Adam's per-tensor lerp for its two tensors.
+    # the update in the graph, per tensor: its norm and Adam's lerp (2 tensors a layer).
+    # A window adds nothing per tensor that depends on the option: its mean and the
+    # clip's scaling are one _foreach call each in the graph's own form too.
     model_and_update = calls(6, False) - calls(3, False)
     model_only = calls(6, True) - calls(3, True)
-    assert model_and_update - model_only == 3 * 2  # 3 more layers, 2 lerps each
+    assert model_and_update - model_only == 3 * 2 * 2  # 3 more layers, 2 tensors each
+
+
+def _aten_ops(opt: optim.Adam) -> collections.Counter[str]:
+    """The ATen operators (and those functionalized: the operator they wrap) of the
+    composed step's graphs, by name, with ``opt``."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm, example):
+        graphs.append(gm)
+        return gm.forward
+
+    step = fasttorch.compiled(_composed(), backend=aot_autograd(fw_compiler=keep))
+    torch.manual_seed(0)
+    state = fasttorch.TrainState.create(LayerNormNet(), opt)
+    step(state, batches(1, 16)[0])
+    names: collections.Counter[str] = collections.Counter()
+    for gm in graphs:
+        for n in gm.graph.nodes:
+            if n.op == "call_function":
+                wrapped = "auto_functionalized" in str(n.target)
+                names[str(n.args[0] if wrapped else n.target)] += 1
+    return names
+
+
+def test_the_windows_mean_and_the_clip_run_as_operators_in_place():
+    """In a donated compiled CPU step with the opaque optimizer, the window's mean, the
+    global norm, the clip's scaling and Adam are one operator each
+    (``fasttorch._opaque``, ``fasttorch::adam_``), and the graph holds no per-tensor
+    norm; without the option, none of the operators and a norm per tensor."""
+    ops = ("foreach_div_", "global_norm", "foreach_mul_", "adam_")
+    opaque = _aten_ops(optim.adamw(LR, opaque=True))
+    assert {op: opaque[f"fasttorch.{op}.default"] for op in ops} == dict.fromkeys(ops, 1)
+    assert opaque["aten.linalg_vector_norm.default"] == 0
+    plain = _aten_ops(optim.adamw(LR))
+    assert not any(name.startswith("fasttorch.") for name in plain)
+    tensors = len(LayerNormNet().state_dict())
+    assert plain["aten.linalg_vector_norm.default"] == tensors + 1  # and the norm of norms
 
 
 def test_not_donated_the_update_stays_in_the_graph():

@@ -7,7 +7,15 @@ import math
 import torch
 
 from fasttorch import _checks
-from fasttorch.phases import GradOut, Metrics, global_norm, reciprocal, scale_grads, unscaled_norm
+from fasttorch.phases import (
+    GradOut,
+    Metrics,
+    global_norm,
+    opaque_update,
+    reciprocal,
+    scale_grads,
+    unscaled_norm,
+)
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, check_wrap
 
@@ -64,12 +72,16 @@ def clip_scaled(step: Step, max_norm: float) -> Step:
     limit = float(max_norm)
 
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
+        opaque = opaque_update(state, g.donated)
         inv = None if g.scale is None else reciprocal(g.scale)
         # unscaled_norm(g), with the reciprocal computed once
-        norm = unscaled_norm(g) if g.norm is not None or inv is None else global_norm(g.grads) * inv
+        if g.norm is not None or inv is None:
+            norm = unscaled_norm(g, opaque=opaque)
+        else:
+            norm = global_norm(g.grads, opaque=opaque) * inv
         coef = torch.clamp(limit / (norm + 1e-6), max=1.0)
         factor = coef if inv is None else coef * inv
-        grads = scale_grads(g.grads, factor)
+        grads = scale_grads(g.grads, factor, opaque=opaque)
         del coef, factor, inv  # not held through the update, where memory peaks
         return inner(state, g.replace(grads=grads, scale=None, norm=norm))
 

@@ -6,7 +6,14 @@ import torch
 
 from fasttorch import _checks, struct
 from fasttorch._late import LateRead
-from fasttorch.phases import SKIP_BUFFERS, GradOut, Metrics, mark_skip, unscaled_norm
+from fasttorch.phases import (
+    SKIP_BUFFERS,
+    GradOut,
+    Metrics,
+    mark_skip,
+    opaque_update,
+    unscaled_norm,
+)
 from fasttorch.state import TrainState, check_alive
 from fasttorch.steps import Step, check_wrap
 from fasttorch.substates import SubState
@@ -144,7 +151,7 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 20) -> Step:
 
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         counts: NonFiniteState = state.substates[KEY]
-        norm = unscaled_norm(g)
+        norm = unscaled_norm(g, opaque=opaque_update(state, g.donated))
         g = mark_skip(g.replace(norm=norm), ~torch.isfinite(norm))
         skip = g.skip
         assert skip is not None

@@ -21,6 +21,7 @@ from fasttorch.phases import (
     Metrics,
     Tensors,
     mark_skip,
+    opaque_update,
     unscaled_norm,
 )
 from fasttorch.state import TrainState
@@ -294,7 +295,7 @@ def with_amp(
 
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         ls: LossScaleState = state.substates[KEY]
-        norm = unscaled_norm(g)
+        norm = unscaled_norm(g, opaque=opaque_update(state, g.donated))
         # inf or NaN: a norm is >= 0 otherwise (two operations; isfinite is four)
         found_inf = ~(norm < float("inf"))
         g = mark_skip(g.replace(norm=norm), found_inf)
