@@ -251,11 +251,12 @@ def table(rows: list[dict[str, Any]], depths: tuple[int, int]) -> str:
     for layers in depths:
         lines.append(
             f"| cold compile, regions and `opaque=True` / `torch.compile(model)`, {layers} "
-            f"layers | {ratio(('regional_opaque', layers), ('model', layers))} | |"
+            f"layers | {ratio(('regional_opaque', layers), ('model', layers))} "
+            f"| {'<= 1.3' if layers == lo else ''} |"
         )
     lines.append(
         f"| cold compile, regions and `opaque=True`, {hi} / {lo} layers "
-        f"| {ratio(('regional_opaque', hi), ('regional_opaque', lo))} | |"
+        f"| {ratio(('regional_opaque', hi), ('regional_opaque', lo))} | <= 1.2 |"
     )
     for layers in depths:
         lines.append(
@@ -275,20 +276,26 @@ def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
     import torch
 
     cpu = platform.processor() or platform.machine()
+    # The run's date: for a document rewritten from a run's rows, when they were written.
+    when = Path(args.from_json).stat().st_mtime if args.from_json else time.time()
     head = [
         "# Benchmarks: compile time",
         "",
         "<!-- Written by `python -m benchmarks.compile_time`; do not edit by hand. -->",
         "",
-        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(when))}",
         f"- machine: {cpu}; {os.cpu_count()} logical CPUs visible; no GPU; shared with "
         "other work while it ran (compile times are noisy; the ratios, taken within a "
-        "round, less so); each run with OMP_NUM_THREADS=1, OMP_WAIT_POLICY=PASSIVE; "
-        f"load average when written {os.getloadavg()[0]:.1f}",
+        "round, less so); each run with OMP_NUM_THREADS=1, OMP_WAIT_POLICY=PASSIVE"
+        + ("" if args.from_json else f"; load average when written {os.getloadavg()[0]:.1f}"),
         f"- torch {torch.__version__}; Python {platform.python_version()}",
         f"- command: `python -m benchmarks.compile_time{' --smoke' if args.smoke else ''} "
         f"--rounds {args.rounds} --layers {args.layers}`"
-        + ("" if args.from_json else f"; wall time {wall / 60:.1f} min"),
+        + (
+            "; this page rewritten from its rows"
+            if args.from_json
+            else f"; wall time {wall / 60:.1f} min"
+        ),
         "",
         "Each run is a fresh process with a fresh `TORCHINDUCTOR_CACHE_DIR` (cold; it "
         "includes inductor's one-time probe of the C++ compiler's vector instruction "
