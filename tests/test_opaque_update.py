@@ -244,3 +244,44 @@ def test_inductor_calls_the_operator_on_the_donated_tensors():
     atol = params_atol(errors, eager.params)
     for name, p in eager.params.items():
         torch.testing.assert_close(state.params[name], p, rtol=0, atol=atol)
+
+
+def test_a_skippable_fp16_step_runs_its_norm_and_clip_as_operators():
+    """With ``with_amp("fp16")`` the update may be skipped, so Adam stays the graph's
+    own form; the window's mean, the loss-scaled norm and the clip's unscale-and-clip
+    multiply still run as operators, with the eager step's bits (rule 1) and the
+    hand-written GradScaler loop's values (rules 2 + 4)."""
+    torch.manual_seed(0)
+    model, data = LayerNormNet(), batches(4, 16)
+    scale = {"init_scale": 2.0**10, "growth_interval": 2}
+
+    def composed() -> fasttorch.Step:
+        s = fasttorch.with_amp(fasttorch.step(mse), "fp16", **scale)
+        return fasttorch.clip_scaled(fasttorch.grad_accumulate(s, 2), 1.0)
+
+    def train(step):
+        opt = optim.adamw(LR, weight_decay=0.1, opaque=True)
+        state = composed().init(fasttorch.TrainState.create(copy.deepcopy(model), opt))
+        for b in data:
+            state, _ = step(state, b)
+        return state
+
+    backend = Graphs()
+    eager = train(composed())
+    fast = train(fasttorch.compiled(composed(), backend=backend))
+    for name in ("foreach_div_", "global_norm", "foreach_mul_"):
+        assert backend.calls(getattr(torch.ops.fasttorch, name)) == 1, name
+    for name, p in eager.params.items():
+        torch.testing.assert_close(fast.params[name], p, **EXACT)
+    windows = [list(zip(x.tensor_split(2), y.tensor_split(2))) for x, y in data]
+
+    def make_opt(params):
+        return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+
+    ref, _ = reference_run(
+        model, windows, make_opt=make_opt, precision="fp16", clip=1.0, scaler_kwargs=scale
+    )
+    error = reference_error(model, windows, make_opt=make_opt, clip=1.0)
+    atol = params_atol(error.params, eager.params, precision="fp16", steps=4, lr=LR)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(fast.params[name], p.detach(), rtol=0, atol=atol)
