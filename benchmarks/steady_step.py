@@ -1,0 +1,149 @@
+"""Steady-state time per step of the compile-time benchmark's step, its options side by side.
+
+    python -m benchmarks.steady_step               # rewrites docs/benchmarks_steady.md
+    python -m benchmarks.steady_step --smoke       # tiny, aot_eager: checks the machinery
+
+``benchmarks.compile_time`` times each option's first step, each in a process of its
+own, and its steady column is three steps right after the compile: too few, and taken
+at different moments of a shared machine, to decide an option's default. Here one
+process compiles every option of the same step (the GPT of ``compile_time``, bf16
+autocast, 4 microbatches, clip to norm 1, AdamW), each on its own copy of the same
+model, warms each up, and then times them in interleaved rounds (A B C D, D C B A,
+...): each round one block of steps of every option; per option the median over rounds
+of the time per step, and of its ratio to the whole step's time in the same round.
+
+* ``step``: ``fasttorch.compiled`` of the whole step (the defaults);
+* ``opaque``: the same with ``adamw(..., opaque=True)``;
+* ``regional``: with ``compiled(..., regions=True)``;
+* ``regional_opaque``: both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.compile_time import _batches, _fasttorch_step, _gpt
+
+ROOT = Path(__file__).resolve().parent.parent
+KINDS = ("step", "opaque", "regional", "regional_opaque")
+LABELS = {
+    "step": "`fasttorch.compiled`",
+    "opaque": "`fasttorch.compiled`, `adamw(..., opaque=True)`",
+    "regional": "`fasttorch.compiled(..., regions=True)`",
+    "regional_opaque": "`fasttorch.compiled(..., regions=True)`, `opaque=True`",
+}
+
+
+def measure(layers: int, rounds: int, block: int, smoke: bool) -> dict[str, Any]:
+    """``{"compile": {kind: s}, "rounds": [{kind: s per step}, ...]}`` for one depth."""
+    import torch
+
+    torch.manual_seed(0)
+    backend = "aot_eager" if smoke else "inductor"
+    model = _gpt(layers, smoke)
+    runs, first = {}, {}
+    data = _batches(smoke, 2)
+    for kind in KINDS:
+        regional, opaque = kind in ("regional", "regional_opaque"), kind.endswith("opaque")
+        run = _fasttorch_step(copy.deepcopy(model), backend, None, regional, opaque)
+        t0 = time.perf_counter()
+        run(data[0])
+        first[kind] = time.perf_counter() - t0
+        for _ in range(2):  # warm-up
+            run(data[1])
+        runs[kind] = run
+        print(json.dumps({"layers": layers, "kind": kind, "first": first[kind]}), flush=True)
+    out = []
+    for r in range(rounds):
+        order = KINDS if r % 2 == 0 else tuple(reversed(KINDS))
+        times = {}
+        for kind in order:
+            t0 = time.perf_counter()
+            for i in range(block):
+                runs[kind](data[i % 2])
+            times[kind] = (time.perf_counter() - t0) / block
+        out.append(times)
+    return {"layers": layers, "compile": first, "rounds": out}
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """Per depth and option: median ms per step [min-max] and median ratio to ``step``."""
+    lines = [
+        "| option | layers | ms per step, median [min-max] over rounds | / whole step "
+        "(median [min-max] of per-round ratios) | first step (s, compile included) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for res in results:
+        for kind in KINDS:
+            ms = [r[kind] * 1e3 for r in res["rounds"]]
+            ratio = [r[kind] / r["step"] for r in res["rounds"]]
+            lines.append(
+                f"| {LABELS[kind]} | {res['layers']} | {statistics.median(ms):.1f} "
+                f"[{min(ms):.1f}-{max(ms):.1f}] | {statistics.median(ratio):.2f} "
+                f"[{min(ratio):.2f}-{max(ratio):.2f}] | {res['compile'][kind]:.1f} |"
+            )
+    return "\n".join(lines)
+
+
+def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    head = [
+        "# Benchmarks: steady step of the compile-time benchmark's options",
+        "",
+        "<!-- Written by `python -m benchmarks.steady_step`; do not edit by hand. -->",
+        "",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"- machine: {cpu}; {os.cpu_count()} logical CPUs visible; no GPU; "
+        f"{torch.get_num_threads()} torch threads; shared with other work while it ran "
+        f"(read the ratios, taken within a round, more than the times); load average "
+        f"when written {os.getloadavg()[0]:.1f}",
+        f"- torch {torch.__version__}; Python {platform.python_version()}",
+        f"- command: `python -m benchmarks.steady_step{' --smoke' if args.smoke else ''} "
+        f"--layers {args.layers} --rounds {args.rounds} --block {args.block}`; wall time "
+        f"{wall / 60:.1f} min",
+        "",
+        "One process compiles each option of the step of docs/benchmarks_compile.md (a GPT "
+        "of width 64, 4 heads, context 32, vocab 128; 16 sequences a step as 4 "
+        "microbatches under bf16 autocast, clipped to norm 1, AdamW) on its own copy of "
+        "the same model, runs two warm-up steps of each, then times them in interleaved "
+        "rounds (the order reversed every other round), each round a block of "
+        f"{args.block} steps of every option. The ratio is each round's time over the "
+        "whole step's in that round; the table gives the median over rounds.",
+        "",
+    ]
+    if args.smoke:
+        head.append('Smoke run: tiny sizes and `backend="aot_eager"`; the numbers mean nothing.\n')
+    path.write_text("\n".join(head) + "\n" + body + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", default="12", help="depths, comma-separated")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--block", type=int, default=5, help="steps per option per round")
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--json")
+    p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks_steady.md"))
+    args = p.parse_args()
+    if args.smoke:
+        args.layers, args.rounds, args.block = "2", min(args.rounds, 2), min(args.block, 2)
+    t0 = time.perf_counter()
+    results = [measure(int(n), args.rounds, args.block, args.smoke) for n in args.layers.split(",")]
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    write(Path(args.out), table(results), args, time.perf_counter() - t0)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
