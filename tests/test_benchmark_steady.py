@@ -1,0 +1,48 @@
+"""``benchmarks.steady_step``: its table and its command (no performance claim here).
+
+The options' steps themselves are compiled and run by the compile-time benchmark's
+smoke test (tests/test_benchmarks.py); here the measurement is stood in for, so that
+the page's arithmetic is checked exactly.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from benchmarks import steady_step
+
+
+def _result(layers, per_round):
+    rounds = [dict(zip(steady_step.KINDS, r, strict=True)) for r in per_round]
+    return {"layers": layers, "compile": dict.fromkeys(steady_step.KINDS, 2.0), "rounds": rounds}
+
+
+def test_the_table_gives_medians_over_rounds_and_per_round_ratios():
+    # Three rounds: the whole step 0.10, 0.20, 0.10 s; opaque 0.15, 0.20, 0.12 s.
+    res = _result(4, [(0.10, 0.15, 0.05, 0.1), (0.20, 0.20, 0.1, 0.2), (0.10, 0.12, 0.05, 0.1)])
+    text = steady_step.table([res])
+    # opaque: ms 150, 200, 120 -> median 150; ratios 1.5, 1.0, 1.2 -> median 1.2.
+    assert "| `fasttorch.compiled`, `adamw(..., opaque=True)` | 4 | 150.0 [120.0-200.0] |" in text
+    assert "| 1.20 [1.00-1.50] | 2.0 |" in text
+    assert "| `fasttorch.compiled` | 4 | 100.0 [100.0-200.0] | 1.00 [1.00-1.00] | 2.0 |" in text
+    # regions: ratios 0.5 each round.
+    assert "| `fasttorch.compiled(..., regions=True)` | 4 | 50.0 [50.0-100.0] | 0.50" in text
+
+
+def test_the_command_writes_the_page_for_every_depth_asked(tmp_path, monkeypatch):
+    asked = []
+
+    def fake(layers, rounds, block, smoke):
+        asked.append((layers, rounds, block, smoke))
+        return _result(layers, [(0.1, 0.1, 0.1, 0.1)] * rounds)
+
+    monkeypatch.setattr(steady_step, "measure", fake)
+    out = tmp_path / "steady.md"
+    argv = ["steady_step", "--layers", "3,5", "--rounds", "2", "--block", "4", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    steady_step.main()
+    assert asked == [(3, 2, 4, False), (5, 2, 4, False)]
+    text = out.read_text()
+    assert "do not edit by hand" in text and "--layers 3,5 --rounds 2 --block 4" in text
+    assert "| `fasttorch.compiled(..., regions=True)`, `opaque=True` | 5 |" in text
+    assert "Smoke run" not in text
