@@ -71,7 +71,7 @@ def measure(layers: int, rounds: int, block: int, smoke: bool) -> dict[str, Any]
                 runs[kind](data[i % 2])
             times[kind] = (time.perf_counter() - t0) / block
         out.append(times)
-    return {"layers": layers, "compile": first, "rounds": out}
+    return {"layers": layers, "threads": torch.get_num_threads(), "compile": first, "rounds": out}
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -93,24 +93,31 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
+def write(path: Path, results: list[dict[str, Any]], args: argparse.Namespace, wall: float) -> None:
     import torch
 
     cpu = platform.processor() or platform.machine()
+    # The run's date: for a page rewritten from a run's rows, when they were written.
+    when = Path(args.from_json).stat().st_mtime if args.from_json else time.time()
     head = [
         "# Benchmarks: steady step of the compile-time benchmark's options",
         "",
         "<!-- Written by `python -m benchmarks.steady_step`; do not edit by hand. -->",
         "",
-        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(when))}",
         f"- machine: {cpu}; {os.cpu_count()} logical CPUs visible; no GPU; "
-        f"{torch.get_num_threads()} torch threads; shared with other work while it ran "
-        f"(read the ratios, taken within a round, more than the times); load average "
-        f"when written {os.getloadavg()[0]:.1f}",
+        f"{results[0].get('threads', torch.get_num_threads())} torch threads; shared with "
+        "other work while it ran "
+        "(read the ratios, taken within a round, more than the times)"
+        + ("" if args.from_json else f"; load average when written {os.getloadavg()[0]:.1f}"),
         f"- torch {torch.__version__}; Python {platform.python_version()}",
         f"- command: `python -m benchmarks.steady_step{' --smoke' if args.smoke else ''} "
-        f"--layers {args.layers} --rounds {args.rounds} --block {args.block}`; wall time "
-        f"{wall / 60:.1f} min",
+        f"--layers {args.layers} --rounds {args.rounds} --block {args.block}`"
+        + (
+            "; this page rewritten from its rows"
+            if args.from_json
+            else f"; wall time {wall / 60:.1f} min"
+        ),
         "",
         "One process compiles each option of the step of docs/benchmarks_compile.md (a GPT "
         "of width 64, 4 heads, context 32, vocab 128; 16 sequences a step as 4 "
@@ -118,12 +125,15 @@ def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
         "the same model, runs two warm-up steps of each, then times them in interleaved "
         "rounds (the order reversed every other round), each round a block of "
         f"{args.block} steps of every option. The ratio is each round's time over the "
-        "whole step's in that round; the table gives the median over rounds.",
+        "whole step's in that round; the table gives the median over rounds. The first "
+        "step column is not a cold compile: the options compile one after the other in "
+        "one process, in the table's order, and each later one reuses kernels inductor "
+        "built for the earlier ones (docs/benchmarks_compile.md has the cold times).",
         "",
     ]
     if args.smoke:
         head.append('Smoke run: tiny sizes and `backend="aot_eager"`; the numbers mean nothing.\n')
-    path.write_text("\n".join(head) + "\n" + body + "\n")
+    path.write_text("\n".join(head) + "\n" + table(results) + "\n")
 
 
 def main() -> None:
@@ -133,15 +143,20 @@ def main() -> None:
     p.add_argument("--block", type=int, default=5, help="steps per option per round")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--json")
+    p.add_argument("--from-json", help="rewrite the page from a run's --json results")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks_steady.md"))
     args = p.parse_args()
     if args.smoke:
         args.layers, args.rounds, args.block = "2", min(args.rounds, 2), min(args.block, 2)
     t0 = time.perf_counter()
-    results = [measure(int(n), args.rounds, args.block, args.smoke) for n in args.layers.split(",")]
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+    else:
+        depths = args.layers.split(",")
+        results = [measure(int(n), args.rounds, args.block, args.smoke) for n in depths]
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
-    write(Path(args.out), table(results), args, time.perf_counter() - t0)
+    write(Path(args.out), results, args, time.perf_counter() - t0)
     print(f"wrote {args.out}")
 
 

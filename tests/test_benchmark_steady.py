@@ -7,6 +7,7 @@ the page's arithmetic is checked exactly.
 
 from __future__ import annotations
 
+import json
 import sys
 
 from benchmarks import steady_step
@@ -46,3 +47,19 @@ def test_the_command_writes_the_page_for_every_depth_asked(tmp_path, monkeypatch
     assert "do not edit by hand" in text and "--layers 3,5 --rounds 2 --block 4" in text
     assert "| `fasttorch.compiled(..., regions=True)`, `opaque=True` | 5 |" in text
     assert "Smoke run" not in text
+
+
+def test_a_page_rewritten_from_a_runs_results_says_so_and_keeps_its_threads(tmp_path, monkeypatch):
+    rows = tmp_path / "rows.json"
+    rows.write_text(json.dumps([{**_result(2, [(0.1, 0.2, 0.1, 0.1)]), "threads": 7}]))
+    monkeypatch.setattr(steady_step, "measure", None)  # nothing is measured
+    out = tmp_path / "steady.md"
+    argv = ["steady_step", "--layers", "2", "--from-json", str(rows), "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    steady_step.main()
+    text = out.read_text()
+    assert "7 torch threads" in text and "this page rewritten from its rows" in text
+    assert "load average" not in text and "wall time" not in text
+    assert (
+        "| `fasttorch.compiled`, `adamw(..., opaque=True)` | 2 | 200.0 [200.0-200.0] | 2.00" in text
+    )
