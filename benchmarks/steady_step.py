@@ -106,7 +106,7 @@ def write(path: Path, results: list[dict[str, Any]], args: argparse.Namespace, w
         "",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(when))}",
         f"- machine: {cpu}; {os.cpu_count()} logical CPUs visible; no GPU; "
-        f"{results[0].get('threads', torch.get_num_threads())} torch threads; shared with "
+        f"torch threads: {results[0].get('threads', torch.get_num_threads())}; shared with "
         "other work while it ran "
         "(read the ratios, taken within a round, more than the times)"
         + ("" if args.from_json else f"; load average when written {os.getloadavg()[0]:.1f}"),

@@ -58,7 +58,7 @@ def test_a_page_rewritten_from_a_runs_results_says_so_and_keeps_its_threads(tmp_
     monkeypatch.setattr(sys, "argv", argv)
     steady_step.main()
     text = out.read_text()
-    assert "7 torch threads" in text and "this page rewritten from its rows" in text
+    assert "torch threads: 7;" in text and "this page rewritten from its rows" in text
     assert "load average" not in text and "wall time" not in text
     assert (
         "| `fasttorch.compiled`, `adamw(..., opaque=True)` | 2 | 200.0 [200.0-200.0] | 2.00" in text
