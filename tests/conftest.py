@@ -6,8 +6,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# Two cores in CI: keep torch from oversubscribing them.
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Two cores in CI: keep torch from oversubscribing them. Under pytest-xdist (the README's
+# `-n 2`) each worker has one core's share: one thread each.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // _WORKERS))
 
 
 @pytest.fixture(autouse=True)
