@@ -12,6 +12,19 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // _WORKERS))
 
 
+@pytest.fixture
+def two_threads():
+    """Two torch threads for one test, then the process's count again: torch 2.13's CPU
+    backward of a channels-last ResNet on a single thread corrupts the heap (glibc's
+    "double free or corruption", or a segfault; tests/test_example_convnet.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """Every test starts with empty compile caches and counters."""

@@ -72,12 +72,13 @@ def test_images_are_channels_last_and_the_stream_is_reproducible(example: Module
     assert not torch.equal(first[0][0], first[1][0])
 
 
-def test_the_step_updates_batchnorm_stats_and_keeps_channels_last(example: ModuleType) -> None:
+def test_the_step_updates_batchnorm_stats_and_keeps_channels_last(
+    example: ModuleType, two_threads: None
+) -> None:
     # Two threads, not the module's one: torch 2.13's CPU backward of this channels-last
     # ResNet on a single thread corrupts the heap (glibc aborts with "double free or
     # corruption", or a segfault), with plain torch.autograd.grad and no fasttorch code;
     # it aborted the whole pytest process in about half of the runs here.
-    torch.set_num_threads(2)
     torch.manual_seed(0)
     model = example.ResNet(4, 4, 1).to(memory_format=torch.channels_last)
     ts = fasttorch.TrainState.create(model, fasttorch.optim.sgd(0.1))
