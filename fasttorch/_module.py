@@ -9,6 +9,7 @@ about it, kept here; ``fasttorch.state`` re-exports the names its users know.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Iterator
 from typing import Any, TypeAlias
@@ -16,16 +17,26 @@ from typing import Any, TypeAlias
 import torch
 from torch import nn
 
-try:  # torch.distributed can be left out of a build (USE_DISTRIBUTED=0)
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    FSDPModule = DTensor = ()  # type: ignore[assignment,misc]
+
+def imported_class(module: str, name: str) -> Any:
+    """Class ``name`` of ``module`` if that module was imported, else ``()`` (which no
+    object is an instance of).
+
+    FSDP2's ``FSDPModule`` and ``DTensor`` are looked up, not imported: importing
+    ``torch.distributed.fsdp`` costs about 1.4 s (it brings ``torch.distributed.tensor``),
+    a third of ``import fasttorch``, and a module can be sharded, or a tensor a
+    ``DTensor``, only once the program imported them. A torch built without
+    distributed support has neither.
+    """
+    found = sys.modules.get(module)
+    return () if found is None else getattr(found, name, ())
+
 
 __all__ = [
     "Ties",
     "call_with",
     "evaluating",
+    "imported_class",
     "is_sharded",
     "local_tensor",
     "record_modes",
@@ -90,7 +101,8 @@ def is_sharded(module: nn.Module) -> bool:
     """Whether ``module`` was sharded with FSDP2's ``fully_shard`` (its root or a child)."""
     found = _SHARDED.get(module)
     if found is None:
-        found = _SHARDED[module] = any(isinstance(m, FSDPModule) for m in module.modules())
+        kind = imported_class("torch.distributed.fsdp", "FSDPModule")
+        found = _SHARDED[module] = any(isinstance(m, kind) for m in module.modules())
     return found
 
 
@@ -103,8 +115,9 @@ def reshard(module: nn.Module) -> None:
     Resharding puts the shards (the state's own storage) back and frees the rest.
     """
     if is_sharded(module):
+        kind = imported_class("torch.distributed.fsdp", "FSDPModule")
         for m in module.modules():
-            if isinstance(m, FSDPModule):
+            if isinstance(m, kind):
                 m.reshard()
 
 
@@ -113,9 +126,10 @@ _SHARDED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary
 
 def local_tensor(p: torch.Tensor) -> torch.Tensor:
     """``p`` detached; for a ``DTensor``, this rank's shard (the same storage)."""
-    if isinstance(p, DTensor):
+    if isinstance(p, imported_class("torch.distributed.tensor", "DTensor")):
         with torch.no_grad():
-            return p.to_local().detach()
+            local: torch.Tensor = p.to_local().detach()
+            return local
     return p.detach()
 
 

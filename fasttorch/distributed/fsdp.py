@@ -27,17 +27,17 @@ does around it, once per window:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from fasttorch import _compat
 from fasttorch._checks import warn_once
 from fasttorch._engine import IntoGrad
+from fasttorch._module import imported_class
 from fasttorch.distributed.reducer import (
     DistributedStepError,
     SyncConfig,
@@ -48,6 +48,9 @@ from fasttorch.distributed.reducer import (
 from fasttorch.phases import GradOut, Tensors, reciprocal, skip_empty_window
 from fasttorch.state import TrainState, local_tensor, reshard
 from fasttorch.window import InModule, Step, Sums
+
+if TYPE_CHECKING:  # imported by the program that shards (import fasttorch leaves it out)
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["ShardedWindow", "as_dtensor", "sharded_leaves", "sharded_parameters"]
 
@@ -71,7 +74,8 @@ def sharded_leaves(state: TrainState) -> dict[int, DTensor]:
     the parameter, whose mesh, placements and global shape describe it.
     """
     reshard(state.module)
-    by_name = {k: p for k, p in state.module.named_parameters() if isinstance(p, DTensor)}
+    dtensor = imported_class("torch.distributed.tensor", "DTensor")
+    by_name = {k: p for k, p in state.module.named_parameters() if isinstance(p, dtensor)}
     if not by_name:
         return {}
     out: dict[int, DTensor] = {}
@@ -86,6 +90,8 @@ def sharded_leaves(state: TrainState) -> dict[int, DTensor]:
 
 def as_dtensor(local: torch.Tensor, like: DTensor) -> DTensor:
     """``local`` as a shard of a ``DTensor`` laid out as ``like`` (no copy)."""
+    from torch.distributed.tensor import DTensor  # loaded: ``like`` is one
+
     return DTensor.from_local(
         local,
         like.device_mesh,
