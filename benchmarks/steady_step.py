@@ -10,7 +10,8 @@ process compiles every option of the same step (the GPT of ``compile_time``, bf1
 autocast, 4 microbatches, clip to norm 1, AdamW), each on its own copy of the same
 model, warms each up, and then times them in interleaved rounds (A B C D, D C B A,
 ...): each round one block of steps of every option; per option the median over rounds
-of the time per step, and of its ratio to the whole step's time in the same round.
+of the time per step, and of the whole step's time over the option's in the same round
+(``benchmarks.stats.summarize``, as the suite reports speed-ups).
 
 * ``step``: ``fasttorch.compiled`` of the whole step (the defaults);
 * ``opaque``: the same with ``adamw(..., opaque=True)``;
@@ -25,12 +26,12 @@ import copy
 import json
 import os
 import platform
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.compile_time import _batches, _fasttorch_step, _gpt
+from benchmarks.stats import summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("step", "opaque", "regional", "regional_opaque")
@@ -75,20 +76,24 @@ def measure(layers: int, rounds: int, block: int, smoke: bool) -> dict[str, Any]
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    """Per depth and option: median ms per step [min-max] and median ratio to ``step``."""
+    """Per depth and option: median ms per step and the median per-round speed-up over
+    the whole step (``benchmarks.stats.summarize``: whole step's time / option's)."""
     lines = [
-        "| option | layers | ms per step, median [min-max] over rounds | / whole step "
-        "(median [min-max] of per-round ratios) | first step (s, compile included) |",
+        "| option | layers | ms per step (median over rounds) | speed-up over the whole "
+        "step (its time / the option's; median [min-max] of per-round ratios) | first step "
+        "(s, compile included) |",
         "|---|---:|---:|---:|---:|",
     ]
     for res in results:
+        rounds = res["rounds"]
+        times = {k: {i: r[k] for i, r in enumerate(rounds)} for k in KINDS}
+        summary = summarize(times, "step", range(len(rounds)))
         for kind in KINDS:
-            ms = [r[kind] * 1e3 for r in res["rounds"]]
-            ratio = [r[kind] / r["step"] for r in res["rounds"]]
+            s = summary[kind]
             lines.append(
-                f"| {LABELS[kind]} | {res['layers']} | {statistics.median(ms):.1f} "
-                f"[{min(ms):.1f}-{max(ms):.1f}] | {statistics.median(ratio):.2f} "
-                f"[{min(ratio):.2f}-{max(ratio):.2f}] | {res['compile'][kind]:.1f} |"
+                f"| {LABELS[kind]} | {res['layers']} | {s.seconds_per_step * 1e3:.1f} | "
+                f"{s.ratio_to_baseline:.2f} [{s.ratio_min:.2f}-{s.ratio_max:.2f}] | "
+                f"{res['compile'][kind]:.1f} |"
             )
     return "\n".join(lines)
 
@@ -124,8 +129,9 @@ def write(path: Path, results: list[dict[str, Any]], args: argparse.Namespace, w
         "microbatches under bf16 autocast, clipped to norm 1, AdamW) on its own copy of "
         "the same model, runs two warm-up steps of each, then times them in interleaved "
         "rounds (the order reversed every other round), each round a block of "
-        f"{args.block} steps of every option. The ratio is each round's time over the "
-        "whole step's in that round; the table gives the median over rounds. The first "
+        f"{args.block} steps of every option. The speed-up is the whole step's time over "
+        "the option's in the same round (above 1: the option is faster); the table gives "
+        "the median over rounds. The first "
         "step column is not a cold compile: the options compile one after the other in "
         "one process, in the table's order, and each later one reuses kernels inductor "
         "built for the earlier ones (docs/benchmarks_compile.md has the cold times).",
