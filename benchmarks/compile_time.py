@@ -272,30 +272,43 @@ def _per_graph(runs: list[Any]) -> str:
     return " + ".join(f"{s:.1f} [{n}]" for s, n in graphs) or "–"
 
 
-def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
+def page_head(
+    title: str, module: str, machine: str, options: str, args: argparse.Namespace, wall: float
+) -> list[str]:
+    """A benchmark page's heading: title, the do-not-edit line, date, machine, torch and
+    the command (``module`` run with ``options``). For a page rewritten from a run's
+    rows (``args.from_json``): the rows' date, and no load average or wall time."""
     import torch
 
     cpu = platform.processor() or platform.machine()
     # The run's date: for a document rewritten from a run's rows, when they were written.
     when = Path(args.from_json).stat().st_mtime if args.from_json else time.time()
-    head = [
-        "# Benchmarks: compile time",
+    return [
+        f"# {title}",
         "",
-        "<!-- Written by `python -m benchmarks.compile_time`; do not edit by hand. -->",
+        f"<!-- Written by `python -m benchmarks.{module}`; do not edit by hand. -->",
         "",
         f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(when))}",
-        f"- machine: {cpu}; {os.cpu_count()} logical CPUs visible; no GPU; shared with "
-        "other work while it ran (compile times are noisy; the ratios, taken within a "
-        "round, less so); each run with OMP_NUM_THREADS=1, OMP_WAIT_POLICY=PASSIVE"
+        f"- machine: {cpu}; {os.cpu_count()} logical CPUs visible; no GPU; {machine}"
         + ("" if args.from_json else f"; load average when written {os.getloadavg()[0]:.1f}"),
         f"- torch {torch.__version__}; Python {platform.python_version()}",
-        f"- command: `python -m benchmarks.compile_time{' --smoke' if args.smoke else ''} "
-        f"--rounds {args.rounds} --layers {args.layers}`"
+        f"- command: `python -m benchmarks.{module}{' --smoke' if args.smoke else ''} {options}`"
         + (
             "; this page rewritten from its rows"
             if args.from_json
             else f"; wall time {wall / 60:.1f} min"
         ),
+    ]
+
+
+def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
+    machine = (
+        "shared with other work while it ran (compile times are noisy; the ratios, taken "
+        "within a round, less so); each run with OMP_NUM_THREADS=1, OMP_WAIT_POLICY=PASSIVE"
+    )
+    options = f"--rounds {args.rounds} --layers {args.layers}"
+    head = [
+        *page_head("Benchmarks: compile time", "compile_time", machine, options, args, wall),
         "",
         "Each run is a fresh process with a fresh `TORCHINDUCTOR_CACHE_DIR` (cold; it "
         "includes inductor's one-time probe of the C++ compiler's vector instruction "

@@ -24,13 +24,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
-import platform
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.compile_time import _batches, _fasttorch_step, _gpt
+from benchmarks.compile_time import _batches, _fasttorch_step, _gpt, page_head
 from benchmarks.stats import summarize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,28 +99,15 @@ def table(results: list[dict[str, Any]]) -> str:
 def write(path: Path, results: list[dict[str, Any]], args: argparse.Namespace, wall: float) -> None:
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    # The run's date: for a page rewritten from a run's rows, when they were written.
-    when = Path(args.from_json).stat().st_mtime if args.from_json else time.time()
+    threads = results[0].get("threads", torch.get_num_threads())
+    machine = (
+        f"torch threads: {threads}; shared with other work while it ran (read the ratios, "
+        "taken within a round, more than the times)"
+    )
+    options = f"--layers {args.layers} --rounds {args.rounds} --block {args.block}"
+    title = "Benchmarks: steady step of the compile-time benchmark's options"
     head = [
-        "# Benchmarks: steady step of the compile-time benchmark's options",
-        "",
-        "<!-- Written by `python -m benchmarks.steady_step`; do not edit by hand. -->",
-        "",
-        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(when))}",
-        f"- machine: {cpu}; {os.cpu_count()} logical CPUs visible; no GPU; "
-        f"torch threads: {results[0].get('threads', torch.get_num_threads())}; shared with "
-        "other work while it ran "
-        "(read the ratios, taken within a round, more than the times)"
-        + ("" if args.from_json else f"; load average when written {os.getloadavg()[0]:.1f}"),
-        f"- torch {torch.__version__}; Python {platform.python_version()}",
-        f"- command: `python -m benchmarks.steady_step{' --smoke' if args.smoke else ''} "
-        f"--layers {args.layers} --rounds {args.rounds} --block {args.block}`"
-        + (
-            "; this page rewritten from its rows"
-            if args.from_json
-            else f"; wall time {wall / 60:.1f} min"
-        ),
+        *page_head(title, "steady_step", machine, options, args, wall),
         "",
         "One process compiles each option of the step of docs/benchmarks_compile.md (a GPT "
         "of width 64, 4 heads, context 32, vocab 128; 16 sequences a step as 4 "
