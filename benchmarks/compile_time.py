@@ -273,11 +273,17 @@ def _per_graph(runs: list[Any]) -> str:
 
 
 def page_head(
-    title: str, module: str, machine: str, options: str, args: argparse.Namespace, wall: float
+    title: str,
+    module: str,
+    machine: str,
+    options: str | list[str],
+    args: argparse.Namespace,
+    wall: float,
 ) -> list[str]:
     """A benchmark page's heading: title, the do-not-edit line, date, machine, torch and
-    the command (``module`` run with ``options``). For a page rewritten from a run's
-    rows (``args.from_json``): the rows' date, and no load average or wall time."""
+    the command (``module`` run with ``options``; a list: one command per run whose rows
+    the page shows). For a page rewritten from a run's rows (``args.from_json``): the
+    rows' date, and no load average or wall time."""
     import torch
 
     cpu = platform.processor() or platform.machine()
@@ -292,7 +298,11 @@ def page_head(
         f"- machine: {cpu}; {os.cpu_count()} logical CPUs visible; no GPU; {machine}"
         + ("" if args.from_json else f"; load average when written {os.getloadavg()[0]:.1f}"),
         f"- torch {torch.__version__}; Python {platform.python_version()}",
-        f"- command: `python -m benchmarks.{module}{' --smoke' if args.smoke else ''} {options}`"
+        ("- command: " if isinstance(options, str) or len(options) == 1 else "- commands: ")
+        + "; ".join(
+            f"`python -m benchmarks.{module}{' --smoke' if args.smoke else ''} {o}`"
+            for o in ([options] if isinstance(options, str) else options)
+        )
         + (
             "; this page rewritten from its rows"
             if args.from_json

@@ -1,7 +1,9 @@
 """Steady-state time per step of the compile-time benchmark's step, its options side by side.
 
     python -m benchmarks.steady_step               # rewrites docs/benchmarks_steady.md
+    python -m benchmarks.steady_step --layers 4 --mlp 12   # also M1's MLP, 12 blocks
     python -m benchmarks.steady_step --smoke       # tiny, aot_eager: checks the machinery
+    python -m benchmarks.steady_step --from-json a.json,b.json   # one page, two runs
 
 ``benchmarks.compile_time`` times each option's first step, each in a process of its
 own, and its steady column is three steps right after the compile: too few, and taken
@@ -11,7 +13,10 @@ autocast, 4 microbatches, clip to norm 1, AdamW), each on its own copy of the sa
 model, warms each up, and then times them in interleaved rounds (A B C D, D C B A,
 ...): each round one block of steps of every option; per option the median over rounds
 of the time per step, and of the whole step's time over the option's in the same round
-(``benchmarks.stats.summarize``, as the suite reports speed-ups).
+(``benchmarks.stats.summarize``, as the suite reports speed-ups). ``--mlp`` adds the
+residual MLP of ``benchmarks.run``'s M1 (width 64, 16 samples a microbatch: small
+kernels, where inductor's Python wrapper, which regions need, costs the most), with
+the same step.
 
 * ``step``: ``fasttorch.compiled`` of the whole step (the defaults);
 * ``opaque``: the same with ``adamw(..., opaque=True)``;
@@ -28,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.compile_time import _batches, _fasttorch_step, _gpt, page_head
+from benchmarks.compile_time import ACCUM, _batches, _fasttorch_step, _gpt, page_head
 from benchmarks.stats import summarize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,15 +46,35 @@ LABELS = {
 }
 
 
-def measure(layers: int, rounds: int, block: int, smoke: bool) -> dict[str, Any]:
-    """``{"compile": {kind: s}, "rounds": [{kind: s per step}, ...]}`` for one depth."""
+def _mlp(blocks: int, smoke: bool) -> tuple[Any, list[Any]]:
+    """M1's residual MLP (``benchmarks.models.MLP``, width 64) with ``blocks`` blocks, and
+    two steps of data: 4 microbatches of 16 vectors (8 in a smoke run)."""
+    import torch
+
+    from benchmarks.models import MLP
+
+    model = MLP(64, 64, blocks, 10)
+    g = torch.Generator().manual_seed(1)
+    n = ACCUM * (8 if smoke else 16)
+    data = [(torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g))]
+    data.append((torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g)))
+    return model, data
+
+
+def measure(
+    layers: int, rounds: int, block: int, smoke: bool, model_name: str = "gpt"
+) -> dict[str, Any]:
+    """``{"compile": {kind: s}, "rounds": [{kind: s per step}, ...]}`` for one depth of
+    ``model_name`` ("gpt": the compile-time benchmark's GPT; "mlp": M1's MLP)."""
     import torch
 
     torch.manual_seed(0)
     backend = "aot_eager" if smoke else "inductor"
-    model = _gpt(layers, smoke)
+    if model_name == "mlp":
+        model, data = _mlp(layers, smoke)
+    else:
+        model, data = _gpt(layers, smoke), _batches(smoke, 2)
     runs, first = {}, {}
-    data = _batches(smoke, 2)
     for kind in KINDS:
         regional, opaque = kind in ("regional", "regional_opaque"), kind.endswith("opaque")
         run = _fasttorch_step(copy.deepcopy(model), backend, None, regional, opaque)
@@ -59,7 +84,8 @@ def measure(layers: int, rounds: int, block: int, smoke: bool) -> dict[str, Any]
         for _ in range(2):  # warm-up
             run(data[1])
         runs[kind] = run
-        print(json.dumps({"layers": layers, "kind": kind, "first": first[kind]}), flush=True)
+        line = {"model": model_name, "layers": layers, "kind": kind, "first": first[kind]}
+        print(json.dumps(line), flush=True)
     out = []
     for r in range(rounds):
         order = KINDS if r % 2 == 0 else tuple(reversed(KINDS))
@@ -70,14 +96,28 @@ def measure(layers: int, rounds: int, block: int, smoke: bool) -> dict[str, Any]
                 runs[kind](data[i % 2])
             times[kind] = (time.perf_counter() - t0) / block
         out.append(times)
-    return {"layers": layers, "threads": torch.get_num_threads(), "compile": first, "rounds": out}
+    threads = torch.get_num_threads()
+    return {
+        "model": model_name,
+        "layers": layers,
+        "threads": threads,
+        "compile": first,
+        "rounds": out,
+    }
+
+
+def _model(res: dict[str, Any]) -> str:
+    """The table's model cell: the GPT's layers or the MLP's blocks."""
+    if res.get("model", "gpt") == "mlp":
+        return f"MLP (M1), {res['layers']} blocks"
+    return f"GPT, {res['layers']} layers"
 
 
 def table(results: list[dict[str, Any]]) -> str:
     """Per depth and option: median ms per step and the median per-round speed-up over
     the whole step (``benchmarks.stats.summarize``: whole step's time / option's)."""
     lines = [
-        "| option | layers | ms per step (median over rounds) | speed-up over the whole "
+        "| option | model | ms per step (median over rounds) | speed-up over the whole "
         "step (its time / the option's; median [min-max] of per-round ratios) | first step "
         "(s, compile included) |",
         "|---|---:|---:|---:|---:|",
@@ -89,34 +129,44 @@ def table(results: list[dict[str, Any]]) -> str:
         for kind in KINDS:
             s = summary[kind]
             lines.append(
-                f"| {LABELS[kind]} | {res['layers']} | {s.seconds_per_step * 1e3:.1f} | "
+                f"| {LABELS[kind]} | {_model(res)} | {s.seconds_per_step * 1e3:.1f} | "
                 f"{s.ratio_to_baseline:.2f} [{s.ratio_min:.2f}-{s.ratio_max:.2f}] | "
                 f"{res['compile'][kind]:.1f} |"
             )
     return "\n".join(lines)
 
 
+def _options(args: argparse.Namespace) -> str:
+    mlp = f" --mlp {args.mlp}" if args.mlp else ""
+    return f"--layers {args.layers}{mlp} --rounds {args.rounds} --block {args.block}"
+
+
 def write(path: Path, results: list[dict[str, Any]], args: argparse.Namespace, wall: float) -> None:
+    """The page; rewritten from several runs' rows (``--from-json a,b``), it gives each
+    run's command (rows kept without one: this command's options) and threads."""
     import torch
 
-    threads = results[0].get("threads", torch.get_num_threads())
+    threads = sorted({str(r.get("threads", torch.get_num_threads())) for r in results})
     machine = (
-        f"torch threads: {threads}; shared with other work while it ran (read the ratios, "
-        "taken within a round, more than the times)"
+        f"torch threads: {', '.join(threads)}; shared with other work while it ran (read "
+        "the ratios, taken within a round, more than the times)"
     )
-    options = f"--layers {args.layers} --rounds {args.rounds} --block {args.block}"
+    options = list(dict.fromkeys(r.get("options", _options(args)) for r in results))
+    blocks = sorted({str(r.get("block", args.block)) for r in results})
     title = "Benchmarks: steady step of the compile-time benchmark's options"
     head = [
         *page_head(title, "steady_step", machine, options, args, wall),
         "",
         "One process compiles each option of the step of docs/benchmarks_compile.md (a GPT "
         "of width 64, 4 heads, context 32, vocab 128; 16 sequences a step as 4 "
-        "microbatches under bf16 autocast, clipped to norm 1, AdamW) on its own copy of "
+        "microbatches under bf16 autocast, clipped to norm 1, AdamW; the MLP rows: "
+        "`benchmarks.run`'s M1, residual blocks of width 64, 64 vectors a step as 4 "
+        "microbatches, the same step) on its own copy of "
         "the same model, runs two warm-up steps of each, then times them in interleaved "
         "rounds (the order reversed every other round), each round a block of "
-        f"{args.block} steps of every option. The speed-up is the whole step's time over "
-        "the option's in the same round (above 1: the option is faster); the table gives "
-        "the median over rounds. The first "
+        f"{' or '.join(blocks)} steps of every option. The speed-up is the whole step's "
+        "time over the option's in the same round (above 1: the option is faster); the "
+        "table gives the median over rounds. The first "
         "step column is not a cold compile: the options compile one after the other in "
         "one process, in the table's order, and each later one reuses kernels inductor "
         "built for the earlier ones (docs/benchmarks_compile.md has the cold times).",
@@ -129,22 +179,32 @@ def write(path: Path, results: list[dict[str, Any]], args: argparse.Namespace, w
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", default="12", help="depths, comma-separated")
+    p.add_argument("--layers", default="12", help="GPT depths, comma-separated")
+    p.add_argument("--mlp", default="", help="M1 MLP block counts, comma-separated")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--block", type=int, default=5, help="steps per option per round")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--json")
-    p.add_argument("--from-json", help="rewrite the page from a run's --json results")
+    p.add_argument(
+        "--from-json", help="rewrite the page from runs' --json results (comma-separated)"
+    )
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks_steady.md"))
     args = p.parse_args()
     if args.smoke:
         args.layers, args.rounds, args.block = "2", min(args.rounds, 2), min(args.block, 2)
+        args.mlp = args.mlp and "2"
     t0 = time.perf_counter()
     if args.from_json:
-        results = json.loads(Path(args.from_json).read_text())
+        files = args.from_json.split(",")
+        results = [r for f in files for r in json.loads(Path(f).read_text())]
+        args.from_json = max(files, key=lambda f: Path(f).stat().st_mtime)  # the page's date
     else:
-        depths = args.layers.split(",")
-        results = [measure(int(n), args.rounds, args.block, args.smoke) for n in depths]
+        asked = [("gpt", n) for n in args.layers.split(",") if n]
+        asked += [("mlp", n) for n in args.mlp.split(",") if n]
+        results = []
+        for model_name, n in asked:
+            res = measure(int(n), args.rounds, args.block, args.smoke, model_name)
+            results.append({**res, "options": _options(args), "block": args.block})
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     write(Path(args.out), results, args, time.perf_counter() - t0)

@@ -13,9 +13,10 @@ import sys
 from benchmarks import steady_step
 
 
-def _result(layers, per_round):
+def _result(layers, per_round, model="gpt"):
     rounds = [dict(zip(steady_step.KINDS, r, strict=True)) for r in per_round]
-    return {"layers": layers, "compile": dict.fromkeys(steady_step.KINDS, 2.0), "rounds": rounds}
+    compile_s = dict.fromkeys(steady_step.KINDS, 2.0)
+    return {"model": model, "layers": layers, "compile": compile_s, "rounds": rounds}
 
 
 def test_the_table_gives_medians_over_rounds_and_per_round_speed_ups():
@@ -23,30 +24,61 @@ def test_the_table_gives_medians_over_rounds_and_per_round_speed_ups():
     res = _result(4, [(0.10, 0.15, 0.05, 0.1), (0.20, 0.20, 0.1, 0.2), (0.10, 0.12, 0.05, 0.1)])
     text = steady_step.table([res])
     # opaque: ms 150, 200, 120 -> median 150; speed-ups 0.10/0.15, 1, 0.10/0.12 -> 0.83.
-    opaque = "| `fasttorch.compiled`, `adamw(..., opaque=True)` | 4 | 150.0 | 0.83 [0.67-1.00] |"
+    opaque = (
+        "| `fasttorch.compiled`, `adamw(..., opaque=True)` | GPT, 4 layers | 150.0 | "
+        "0.83 [0.67-1.00] |"
+    )
     assert opaque in text
-    assert "| `fasttorch.compiled` | 4 | 100.0 | 1.00 [1.00-1.00] | 2.0 |" in text
+    assert "| `fasttorch.compiled` | GPT, 4 layers | 100.0 | 1.00 [1.00-1.00] | 2.0 |" in text
     # regions: half the whole step's time in every round.
-    assert "| `fasttorch.compiled(..., regions=True)` | 4 | 50.0 | 2.00 [2.00-2.00] |" in text
+    regions = "| `fasttorch.compiled(..., regions=True)` | GPT, 4 layers | 50.0 | 2.00 [2.00-2.00]"
+    assert regions in text
 
 
 def test_the_command_writes_the_page_for_every_depth_asked(tmp_path, monkeypatch):
     asked = []
 
-    def fake(layers, rounds, block, smoke):
-        asked.append((layers, rounds, block, smoke))
-        return _result(layers, [(0.1, 0.1, 0.1, 0.1)] * rounds)
+    def fake(layers, rounds, block, smoke, model_name):
+        asked.append((model_name, layers, rounds, block, smoke))
+        return _result(layers, [(0.1, 0.1, 0.1, 0.1)] * rounds, model_name)
 
     monkeypatch.setattr(steady_step, "measure", fake)
+    out, raw = tmp_path / "steady.md", tmp_path / "rows.json"
+    argv = ["steady_step", "--layers", "3,5", "--mlp", "7", "--rounds", "2", "--block", "4"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--out", str(out), "--json", str(raw)])
+    steady_step.main()
+    assert asked == [("gpt", 3, 2, 4, False), ("gpt", 5, 2, 4, False), ("mlp", 7, 2, 4, False)]
+    text = out.read_text()
+    assert "do not edit by hand" in text
+    command = "python -m benchmarks.steady_step --layers 3,5 --mlp 7 --rounds 2 --block 4"
+    assert f"- command: `{command}`" in text
+    assert "| `fasttorch.compiled(..., regions=True)`, `opaque=True` | GPT, 5 layers |" in text
+    assert "| `fasttorch.compiled` | MLP (M1), 7 blocks |" in text
+    assert "Smoke run" not in text
+    # Each row keeps its run's command, for a page rewritten from several runs.
+    rows = json.loads(raw.read_text())
+    assert {r["options"] for r in rows} == {"--layers 3,5 --mlp 7 --rounds 2 --block 4"}
+
+
+def test_a_page_from_two_runs_gives_both_commands(tmp_path, monkeypatch):
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps([{**_result(12, [(0.1, 0.1, 0.1, 0.1)]), "threads": 1}]))
+    newer = {**_result(4, [(0.1, 0.2, 0.1, 0.1)]), "threads": 1, "options": "--layers 4 --x"}
+    new.write_text(json.dumps([newer]))
+    monkeypatch.setattr(steady_step, "measure", None)  # nothing is measured
     out = tmp_path / "steady.md"
-    argv = ["steady_step", "--layers", "3,5", "--rounds", "2", "--block", "4", "--out", str(out)]
+    argv = ["steady_step", "--layers", "12", "--from-json", f"{old},{new}", "--out", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
     steady_step.main()
-    assert asked == [(3, 2, 4, False), (5, 2, 4, False)]
     text = out.read_text()
-    assert "do not edit by hand" in text and "--layers 3,5 --rounds 2 --block 4" in text
-    assert "| `fasttorch.compiled(..., regions=True)`, `opaque=True` | 5 |" in text
-    assert "Smoke run" not in text
+    # The old rows have no command of their own: they take this one's options.
+    assert (
+        "- commands: `python -m benchmarks.steady_step --layers 12 --rounds 7 --block 5`; "
+        "`python -m benchmarks.steady_step --layers 4 --x`; this page rewritten from its rows"
+    ) in text
+    assert "torch threads: 1;" in text
+    assert "| `fasttorch.compiled` | GPT, 12 layers |" in text
+    assert "| `fasttorch.compiled` | GPT, 4 layers |" in text
 
 
 def test_a_page_rewritten_from_a_runs_results_says_so_and_keeps_its_threads(tmp_path, monkeypatch):
@@ -60,5 +92,8 @@ def test_a_page_rewritten_from_a_runs_results_says_so_and_keeps_its_threads(tmp_
     text = out.read_text()
     assert "torch threads: 7;" in text and "this page rewritten from its rows" in text
     assert "load average" not in text and "wall time" not in text
-    opaque = "| `fasttorch.compiled`, `adamw(..., opaque=True)` | 2 | 200.0 | 0.50 [0.50-0.50] |"
+    opaque = (
+        "| `fasttorch.compiled`, `adamw(..., opaque=True)` | GPT, 2 layers | 200.0 | "
+        "0.50 [0.50-0.50] |"
+    )
     assert opaque in text
