@@ -17,9 +17,8 @@ autocast, 4 microbatches, clip to norm 1, AdamW):
   GPT's blocks a call of one ``torch.compiler.nested_compile_region``, traced and
   compiled once, with inductor's Python wrapper, since its C++ wrapper cannot call a
   subgraph (``NotImplementedError`` in torch 2.13's
-  ``cpp_wrapper_cpu.codegen_invoke_subgraph``); on the CPU ``regions="auto"`` turns it
-  on from 4 blocks on, except for a step given a ``cache_dir`` (as ``step`` is: it keeps
-  its traced form for the warm start), docs/transforms.md, "Regional compilation";
+  ``cpp_wrapper_cpu.codegen_invoke_subgraph``); ``regions="auto"`` leaves it off on the
+  CPU, and this row is the measurement behind that (docs/design.md);
 * ``opaque`` and ``regional_opaque``: ``step`` and ``regional`` with
   ``adamw(..., opaque=True)``, the update one operator the compiler does not look into
   (the eager step's kernels), so that no graph grows with the parameter tensors.
@@ -330,9 +329,8 @@ def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
         "AdamW) in its two graphs. Regional (the larger depth only): the same step with "
         "`compiled(..., regions=True)`, each of the GPT's blocks a call of one "
         "`torch.compiler.nested_compile_region`, with inductor's Python wrapper (its C++ "
-        'wrapper cannot call a subgraph); on the CPU `regions="auto"` uses regions from 4 '
-        "blocks on, but not for a step given a `cache_dir`, as the whole step here is, "
-        'which keeps its traced form (docs/transforms.md, "Regional compilation"). '
+        'wrapper cannot call a subgraph); on the CPU `regions="auto"` leaves it off '
+        '(docs/design.md, "Recompiles, warm starts, regional compilation"). '
         "`opaque=True`: the same steps with `adamw(..., opaque=True)`, whose update in a "
         "compiled step that donates its state on a CPU is one operator running the eager "
         'step\'s kernels (docs/optimizers.md, "Opaque update"). Warm: the '

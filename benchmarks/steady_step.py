@@ -18,8 +18,7 @@ residual MLP of ``benchmarks.run``'s M1 (width 64, 16 samples a microbatch: smal
 kernels, where inductor's Python wrapper, which regions need, costs the most), with
 the same step.
 
-* ``step``: ``fasttorch.compiled`` of the whole step, ``regions=False`` (the default
-  before regions became ``"auto"``'s choice on the CPU from 4 blocks on);
+* ``step``: ``fasttorch.compiled`` of the whole step (the defaults);
 * ``opaque``: the same with ``adamw(..., opaque=True)``;
 * ``regional``: with ``compiled(..., regions=True)``;
 * ``regional_opaque``: both.
@@ -40,7 +39,7 @@ from benchmarks.stats import summarize
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = ("step", "opaque", "regional", "regional_opaque")
 LABELS = {
-    "step": "`fasttorch.compiled(..., regions=False)`",
+    "step": "`fasttorch.compiled`",
     "opaque": "`fasttorch.compiled`, `adamw(..., opaque=True)`",
     "regional": "`fasttorch.compiled(..., regions=True)`",
     "regional_opaque": "`fasttorch.compiled(..., regions=True)`, `opaque=True`",

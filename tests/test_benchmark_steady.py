@@ -29,10 +29,7 @@ def test_the_table_gives_medians_over_rounds_and_per_round_speed_ups():
         "0.83 [0.67-1.00] |"
     )
     assert opaque in text
-    assert (
-        "| `fasttorch.compiled(..., regions=False)` | GPT, 4 layers | 100.0 | 1.00 [1.00-1.00] |"
-        in text
-    )
+    assert "| `fasttorch.compiled` | GPT, 4 layers | 100.0 | 1.00 [1.00-1.00] | 2.0 |" in text
     # regions: half the whole step's time in every round.
     regions = "| `fasttorch.compiled(..., regions=True)` | GPT, 4 layers | 50.0 | 2.00 [2.00-2.00]"
     assert regions in text
@@ -56,7 +53,7 @@ def test_the_command_writes_the_page_for_every_depth_asked(tmp_path, monkeypatch
     command = "python -m benchmarks.steady_step --layers 3,5 --mlp 7 --rounds 2 --block 4"
     assert f"- command: `{command}`" in text
     assert "| `fasttorch.compiled(..., regions=True)`, `opaque=True` | GPT, 5 layers |" in text
-    assert "| `fasttorch.compiled(..., regions=False)` | MLP (M1), 7 blocks |" in text
+    assert "| `fasttorch.compiled` | MLP (M1), 7 blocks |" in text
     assert "Smoke run" not in text
     # Each row keeps its run's command, for a page rewritten from several runs.
     rows = json.loads(raw.read_text())
@@ -80,8 +77,8 @@ def test_a_page_from_two_runs_gives_both_commands(tmp_path, monkeypatch):
         "`python -m benchmarks.steady_step --layers 4 --x`; this page rewritten from its rows"
     ) in text
     assert "torch threads: 1;" in text
-    assert "| `fasttorch.compiled(..., regions=False)` | GPT, 12 layers |" in text
-    assert "| `fasttorch.compiled(..., regions=False)` | GPT, 4 layers |" in text
+    assert "| `fasttorch.compiled` | GPT, 12 layers |" in text
+    assert "| `fasttorch.compiled` | GPT, 4 layers |" in text
 
 
 def test_a_page_rewritten_from_a_runs_results_says_so_and_keeps_its_threads(tmp_path, monkeypatch):

@@ -240,49 +240,19 @@ def test_a_model_without_repeated_blocks_is_said_with_regions_true():
     assert backend.invokes() == []
 
 
-def test_auto_uses_regions_only_where_they_pay():
+def test_auto_on_the_cpu_does_not_use_regions():
     torch.manual_seed(0)
     backend = Graphs()
     step = fasttorch.compiled(fasttorch.step(mse), backend=backend)  # regions="auto"
-    state = fasttorch.TrainState.create(Deep(depth=4), fasttorch.optim.adamw(LR))
+    state = fasttorch.TrainState.create(Deep(), fasttorch.optim.adamw(LR))
     step(state, batches(1, 16)[0])
-    assert backend.graphs and backend.invokes() == []  # a backend that generates no code
-    # The policy itself: inductor on CUDA yes; on the CPU from CPU_AUTO_MIN_BLOCKS
-    # blocks on, unless the step keeps its traced form; other backends, mixed devices no.
+    assert backend.graphs and backend.invokes() == []
+    # The policy itself: inductor on CUDA yes; the CPU, other backends, mixed devices no.
     assert _regions.wanted("auto", {"cuda"}, 3, "inductor")
-    assert _regions.wanted("auto", {"cuda"}, 3, "inductor", kept=True)
-    least = _regions.CPU_AUTO_MIN_BLOCKS
-    assert least == 4
-    assert _regions.wanted("auto", {"cpu"}, least, "inductor")
-    assert not _regions.wanted("auto", {"cpu"}, least - 1, "inductor")
-    assert not _regions.wanted("auto", {"cpu"}, 48, "inductor", kept=True)
+    assert not _regions.wanted("auto", {"cpu"}, 48, "inductor")
     assert not _regions.wanted("auto", {"cuda"}, 3, "aot_eager")
     assert not _regions.wanted("auto", {"cuda", "cpu"}, 3, "inductor")
     assert _regions.wanted(True, {"cpu"}, 3, "aot_eager")
-    assert _regions.wanted(True, {"cpu"}, 3, "inductor", kept=True)
-
-
-class _Chosen(Exception):
-    pass
-
-
-@pytest.mark.parametrize("cache", [False, True])
-def test_a_step_given_a_cache_dir_asks_for_regions_as_a_kept_step(cache, tmp_path, monkeypatch):
-    """What ``compiled`` asks the policy: ``kept`` exactly when a ``cache_dir`` is given
-    (stopped there, before anything compiles)."""
-    asked = []
-
-    def choose(option, args, backend, kept=False):
-        asked.append((option, backend, kept))
-        raise _Chosen
-
-    monkeypatch.setattr(_regions, "choose", choose)
-    opts = {"cache_dir": str(tmp_path)} if cache else {}
-    step = fasttorch.compiled(fasttorch.step(mse), **opts)
-    state = fasttorch.TrainState.create(Deep(depth=4), fasttorch.optim.adamw(LR))
-    with pytest.raises(_Chosen):
-        step(state, batches(1, 16)[0])
-    assert asked == [("auto", "inductor", cache)]
 
 
 def test_regions_true_on_the_cpu_turns_the_cpp_wrapper_off():

@@ -55,31 +55,23 @@ __all__ = [
 RegionsOption: TypeAlias = "bool | Literal['auto']"
 
 # "auto" on a step whose tensors are all on the CPU uses regions from this many blocks
-# on (None: never), unless the step keeps its traced form in a ``cache_dir``. Inductor's
-# C++ wrapper cannot call a subgraph, so a CPU graph with regions goes back to the Python
-# wrapper, which calls each kernel from Python. Side by side in one process
-# (docs/benchmarks_steady.md, median speed-up over the whole step) the steps with
-# regions ran 1.13x (GPT, 4 layers), 0.98x (12), 1.16x (24) and 1.03x (benchmarks.run's
-# M1 MLP, 12 blocks); their cold compile is shorter (docs/benchmarks_compile.md).
-# Fewer than 4 blocks: not measured, and little to save.
-CPU_AUTO_MIN_BLOCKS: int | None = 4
+# on; None: never. Inductor's C++ wrapper cannot call a subgraph, so a CPU graph with
+# regions goes back to the Python wrapper, which calls each kernel from Python: on the
+# benchmark GPT a shorter cold compile at 4, 12 and 24 layers, but a 4-layer step 1.29x
+# as long (12 and 24 layers: faster), the crossing not located and other model shapes
+# not measured (docs/design.md, "Recompiles, warm starts, regional compilation").
+CPU_AUTO_MIN_BLOCKS: int | None = None
 
 _VALID = "True, False or 'auto'"
 
 
-def wanted(
-    option: RegionsOption, devices: set[str], blocks: int, backend: object, kept: bool = False
-) -> bool:
+def wanted(option: RegionsOption, devices: set[str], blocks: int, backend: object) -> bool:
     """Whether a step with tensors on ``devices`` and ``blocks`` repeated blocks uses
     regions, given that it may (the policy, in one place).
 
     ``True``/``False`` as given. ``"auto"``: only for the inductor backend (the others
     generate no code, where a region saves nothing), and only when every tensor is on
-    one device type: on CUDA (Triton kernels) always; on the CPU from
-    :data:`CPU_AUTO_MIN_BLOCKS` blocks on, and not for a step that keeps its traced form
-    (``kept``: ``compiled(..., cache_dir=...)``): a step with regions is not kept
-    (torch 2.13), and loading the kept one (a 4.6 s warm start at 12 layers) saves more
-    than regions do once.
+    CUDA (Triton kernels); on the CPU from :data:`CPU_AUTO_MIN_BLOCKS` blocks on.
     """
     if option != "auto":
         return bool(option)
@@ -87,9 +79,7 @@ def wanted(
         return False
     if devices == {"cuda"}:
         return True
-    if devices != {"cpu"} or kept or CPU_AUTO_MIN_BLOCKS is None:
-        return False
-    return blocks >= CPU_AUTO_MIN_BLOCKS
+    return devices == {"cpu"} and CPU_AUTO_MIN_BLOCKS is not None and blocks >= CPU_AUTO_MIN_BLOCKS
 
 
 def unavailable() -> str | None:
@@ -387,11 +377,8 @@ class Blocks:
 _CACHE: weakref.WeakKeyDictionary[nn.Module, Blocks] = weakref.WeakKeyDictionary()
 
 
-def choose(
-    option: RegionsOption, args: tuple[Any, ...], backend: object, kept: bool = False
-) -> Blocks | None:
-    """The blocks a kernel first called with ``args`` runs as regions, or ``None``
-    (``kept``: the step keeps its traced form, :func:`wanted`).
+def choose(option: RegionsOption, args: tuple[Any, ...], backend: object) -> Blocks | None:
+    """The blocks a kernel first called with ``args`` runs as regions, or ``None``.
 
     With ``option=True`` every reason for ``None`` is warned about once.
     """
@@ -409,7 +396,7 @@ def choose(
             warn_once(f"compiled(regions=True): not using regions: {why}")
         return None
     devices = {t.device.type for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)}
-    if not wanted(option, devices, sum(len(g) for g in groups), backend, kept):
+    if not wanted(option, devices, sum(len(g) for g in groups), backend):
         return None
     found = _CACHE.get(state.module)
     if found is None:

@@ -180,8 +180,8 @@ def compiled(
             (children of one ``nn.ModuleList``/``nn.Sequential``, same class, parameters
             and settings, no buffers) as calls of one ``nested_compile_region``, traced
             and compiled once for all layers. ``"auto"``: on the inductor backend when
-            every tensor is on CUDA, or on the CPU from 4 blocks on without a
-            ``cache_dir`` (docs/transforms.md, "Regional compilation").
+            every tensor is on CUDA; never on the CPU, where inductor's C++ wrapper
+            cannot call a region (docs/transforms.md, "Regional compilation").
 
     Raises:
         ValueError: CUDA graphs asked for a step built with ``donate=False``; a
@@ -385,8 +385,7 @@ def compile_step_fn(
         nonlocal compiled_fn, opts, recompiles, blocks
         if compiled_fn is None:  # on the first call, when the tensors' devices are known
             _check_optimizers(args)
-            backend = options.get("backend", "inductor")
-            blocks = _regions.choose(regions, args, backend, kept=cache is not None)
+            blocks = _regions.choose(regions, args, options.get("backend", "inductor"))
             if cache is not None:
                 use_cache_dir(cache)
             opts = _without_cpu_only_passes(options, (args, kwargs))
