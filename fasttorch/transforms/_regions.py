@@ -62,6 +62,12 @@ RegionsOption: TypeAlias = "bool | Literal['auto']"
 # not measured (docs/design.md, "Recompiles, warm starts, regional compilation").
 CPU_AUTO_MIN_BLOCKS: int | None = None
 
+# Whether "auto" uses regions on a step whose tensors are all on CUDA. Not yet: regions
+# have never run on a GPU here, and on the CPU inductor computed wrong gradients for
+# them until buffer reuse was turned off (:func:`inductor_options`), which may cost GPU
+# memory; the GPU command (benchmarks/gpu.py) is where both are to be seen first.
+CUDA_AUTO = False
+
 _VALID = "True, False or 'auto'"
 
 
@@ -71,14 +77,15 @@ def wanted(option: RegionsOption, devices: set[str], blocks: int, backend: objec
 
     ``True``/``False`` as given. ``"auto"``: only for the inductor backend (the others
     generate no code, where a region saves nothing), and only when every tensor is on
-    CUDA (Triton kernels); on the CPU from :data:`CPU_AUTO_MIN_BLOCKS` blocks on.
+    CUDA (Triton kernels) and :data:`CUDA_AUTO` is set (not yet), or on the CPU from
+    :data:`CPU_AUTO_MIN_BLOCKS` blocks on (never yet).
     """
     if option != "auto":
         return bool(option)
     if backend != "inductor":
         return False
     if devices == {"cuda"}:
-        return True
+        return CUDA_AUTO
     return devices == {"cpu"} and CPU_AUTO_MIN_BLOCKS is not None and blocks >= CPU_AUTO_MIN_BLOCKS
 
 
@@ -404,9 +411,26 @@ def choose(option: RegionsOption, args: tuple[Any, ...], backend: object) -> Blo
     return found
 
 
-def without_cpp_wrapper(options: dict[str, Any]) -> dict[str, Any]:
+def inductor_options(options: dict[str, Any]) -> dict[str, Any]:
     """``torch.compile`` arguments for a graph with regions: no C++ wrapper (inductor's
-    cannot call a subgraph: ``cpp_wrapper_cpu.codegen_invoke_subgraph``)."""
+    cannot call a subgraph: ``cpp_wrapper_cpu.codegen_invoke_subgraph``), and no reuse
+    of one buffer for another (``allow_buffer_reuse``).
+
+    Why no reuse: with it, torch 2.13's inductor computed wrong gradients for blocks
+    holding a LayerNorm (tests/test_regions.py, 8 rows a batch: the blocks' LayerNorm
+    weights moved by about 1 in one ``sgd(1.0)`` step; on the benchmark GPT every
+    gradient was wrong), where ``aot_eager`` and the step without regions match the
+    eager step. Its memory planning reuses buffers across the wrapper's subgraph calls
+    (``memory_plan_reuse``; torch's own fix for nested scopes, pytorch#120777, covers
+    control flow). A caller's ``allow_buffer_reuse=True`` is overridden, with a warning.
+    """
     if options.get("backend", "inductor") != "inductor":
         return options
-    return {**options, "options": {**(options.get("options") or {}), "cpp_wrapper": False}}
+    given = dict(options.get("options") or {})
+    if given.get("allow_buffer_reuse"):
+        warn_once(
+            "compiled: options={'allow_buffer_reuse': True} is ignored for a step whose "
+            "blocks run as regions: with it inductor computed wrong gradients (torch "
+            "2.13). Pass regions=False to keep it"
+        )
+    return {**options, "options": {**given, "cpp_wrapper": False, "allow_buffer_reuse": False}}

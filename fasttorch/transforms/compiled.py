@@ -179,9 +179,9 @@ def compiled(
         regions: ``True``, ``False`` or ``"auto"``: run the model's repeated blocks
             (children of one ``nn.ModuleList``/``nn.Sequential``, same class, parameters
             and settings, no buffers) as calls of one ``nested_compile_region``, traced
-            and compiled once for all layers. ``"auto"``: on the inductor backend when
-            every tensor is on CUDA; never on the CPU, where inductor's C++ wrapper
-            cannot call a region (docs/transforms.md, "Regional compilation").
+            and compiled once for all layers, with inductor's buffer reuse off.
+            ``"auto"``: not yet on any device (docs/transforms.md, "Regional
+            compilation").
 
     Raises:
         ValueError: CUDA graphs asked for a step built with ``donate=False``; a
@@ -394,7 +394,7 @@ def compile_step_fn(
                 probe_cpu_isa_early(opts)
             opts = _with_cacheable_autocast(_with_fusion_cap(opts))
             if blocks is not None:
-                opts = _regions.without_cpp_wrapper(opts)
+                opts = _regions.inductor_options(opts)
             elif cpp_wrapper_on_cpu and _only_on_cpu((args, kwargs)):
                 opts = _with_cpp_wrapper(opts)
             compiled_fn, recompiles = _watched(fn, opts, limit, blocks, regions)
