@@ -172,6 +172,14 @@ def write(path: Path, results: list[dict[str, Any]], args: argparse.Namespace, w
         "built for the earlier ones (docs/benchmarks_compile.md has the cold times).",
         "",
     ]
+    old = sorted({_model(r) for r in results if not r.get("regions_without_buffer_reuse")})
+    if old:
+        head.append(
+            f"The regions rows ({'; '.join(old)}) were measured before a graph with regions "
+            "was compiled without inductor's buffer reuse, on steps that computed wrong "
+            'gradients with the same kernels (docs/design.md, "Regions computed wrong '
+            'gradients with inductor").\n'
+        )
     if args.smoke:
         head.append('Smoke run: tiny sizes and `backend="aot_eager"`; the numbers mean nothing.\n')
     path.write_text("\n".join(head) + "\n" + table(results) + "\n")
@@ -204,6 +212,9 @@ def main() -> None:
         results = []
         for model_name, n in asked:
             res = measure(int(n), args.rounds, args.block, args.smoke, model_name)
+            # Since regions compile without inductor's buffer reuse (which gave them
+            # wrong gradients); rows without this key predate that.
+            res["regions_without_buffer_reuse"] = True
             results.append({**res, "options": _options(args), "block": args.block})
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

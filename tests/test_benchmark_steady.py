@@ -58,6 +58,8 @@ def test_the_command_writes_the_page_for_every_depth_asked(tmp_path, monkeypatch
     # Each row keeps its run's command, for a page rewritten from several runs.
     rows = json.loads(raw.read_text())
     assert {r["options"] for r in rows} == {"--layers 3,5 --mlp 7 --rounds 2 --block 4"}
+    assert all(r["regions_without_buffer_reuse"] for r in rows)
+    assert "were measured before" not in text
 
 
 def test_a_page_from_two_runs_gives_both_commands(tmp_path, monkeypatch):
@@ -77,6 +79,8 @@ def test_a_page_from_two_runs_gives_both_commands(tmp_path, monkeypatch):
         "`python -m benchmarks.steady_step --layers 4 --x`; this page rewritten from its rows"
     ) in text
     assert "torch threads: 1;" in text
+    # Rows from before regions compiled without buffer reuse say so.
+    assert "The regions rows (GPT, 12 layers; GPT, 4 layers) were measured before" in text
     assert "| `fasttorch.compiled` | GPT, 12 layers |" in text
     assert "| `fasttorch.compiled` | GPT, 4 layers |" in text
 
