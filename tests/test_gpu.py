@@ -384,3 +384,38 @@ def test_logger_and_set_hyperparams_under_reduce_overhead():
 
 def test_many_tensor_model_is_big_enough():
     assert len(list(Deep().parameters())) >= 100
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [8, 32])
+def test_regions_with_inductor_on_cuda_train_as_the_hand_written_loop(rows):
+    """The check behind ``_regions.CUDA_AUTO``: ``compiled(regions=True)`` with inductor
+    on CUDA (buffer reuse off, as fasttorch compiles a graph with regions) trains the
+    regions test's model as the loop does, at batch sizes other than its width (16),
+    where the CPU computed wrong LayerNorm gradients with buffer reuse on; rule 2."""
+    from reference import assert_params_close, batches, reference_run
+    from test_regions import Deep
+    from tolerance import params_atol, reference_error
+
+    from fasttorch.transforms import _regions
+
+    if _regions.unavailable() is not None:
+        pytest.skip(_regions.unavailable())
+    torch.manual_seed(0)
+    model = Deep().cuda()
+    data = [tuple(t.cuda() for t in b) for b in batches(2, rows)]
+    step = fasttorch.compiled(fasttorch.step(mse), regions=True)
+    state = fasttorch.TrainState.create(
+        copy.deepcopy(model), fasttorch.optim.adamw(LR, weight_decay=0.1)
+    )
+    for b in data:
+        state, _ = step(state, b)
+    assert _regions._CACHE.get(state.module) is not None  # the blocks ran as regions
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+
+    windows = [[b] for b in data]
+    ref, _ = reference_run(model, windows, make_opt=adamw)
+    error = reference_error(model, windows, make_opt=adamw)
+    assert_params_close(state, ref, rtol=0, atol=params_atol(error.params, state.params))
