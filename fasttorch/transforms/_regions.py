@@ -56,10 +56,13 @@ RegionsOption: TypeAlias = "bool | Literal['auto']"
 
 # "auto" on a step whose tensors are all on the CPU uses regions from this many blocks
 # on; None: never. Inductor's C++ wrapper cannot call a subgraph, so a CPU graph with
-# regions goes back to the Python wrapper, which calls each kernel from Python: on the
-# benchmark GPT a shorter cold compile at 4, 12 and 24 layers, but a 4-layer step 1.29x
-# as long (12 and 24 layers: faster), the crossing not located and other model shapes
-# not measured (docs/design.md, "Recompiles, warm starts, regional compilation").
+# regions goes back to the Python wrapper, which calls each kernel from Python. Side by
+# side (docs/benchmarks_steady.md) that cost no measurable share of the step from a
+# 4-layer GPT to a 24-layer one and on a 12-block MLP, and the cold compile is shorter;
+# not set yet because regions computed wrong gradients until buffer reuse was turned
+# off (:func:`inductor_options`), the 12/24-layer steady rows predate that, and few model
+# shapes were checked against the eager step (docs/design.md, "Regions computed wrong
+# gradients with inductor").
 CPU_AUTO_MIN_BLOCKS: int | None = None
 
 # Whether "auto" uses regions on a step whose tensors are all on CUDA. Not yet: regions
