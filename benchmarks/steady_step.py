@@ -172,17 +172,37 @@ def write(path: Path, results: list[dict[str, Any]], args: argparse.Namespace, w
         "built for the earlier ones (docs/benchmarks_compile.md has the cold times).",
         "",
     ]
-    old = sorted({_model(r) for r in results if not r.get("regions_without_buffer_reuse")})
-    if old:
+    for setting, rows in _stale(results).items():
         head.append(
-            f"The regions rows ({'; '.join(old)}) were measured before a graph with regions "
-            "was compiled without inductor's buffer reuse, on steps that computed wrong "
-            'gradients with the same kernels (docs/design.md, "Regions computed wrong '
+            f"The regions rows ({'; '.join(rows)}) were measured while a graph with regions "
+            f"was still compiled with inductor's {setting} on, with which some models' "
+            'regions computed wrong gradients (docs/design.md, "Regions computed wrong '
             'gradients with inductor").\n'
         )
     if args.smoke:
         head.append('Smoke run: tiny sizes and `backend="aot_eager"`; the numbers mean nothing.\n')
     path.write_text("\n".join(head) + "\n" + table(results) + "\n")
+
+
+# What each row records about how its regions were compiled: inductor's options that
+# write over a buffer it thinks dead, both off since regions computed wrong gradients
+# with them (fasttorch.transforms._regions.inductor_options).
+NO_REUSE = ("allow_buffer_reuse", "inplace_buffers")
+
+
+def _stale(results: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """For each of :data:`NO_REUSE` still on in some rows' regions, those rows' models.
+    Rows older than the record say ``regions_without_buffer_reuse`` (the first turned
+    off) or nothing (neither)."""
+    out: dict[str, list[str]] = {}
+    for r in results:
+        off = r.get("regions_compiled_without")
+        if off is None:
+            off = ["allow_buffer_reuse"] if r.get("regions_without_buffer_reuse") else []
+        for name in NO_REUSE:
+            if name not in off and _model(r) not in out.get(name, []):
+                out.setdefault(name, []).append(_model(r))
+    return {f"`{k}`": sorted(v) for k, v in out.items()}
 
 
 def main() -> None:
@@ -212,9 +232,7 @@ def main() -> None:
         results = []
         for model_name, n in asked:
             res = measure(int(n), args.rounds, args.block, args.smoke, model_name)
-            # Since regions compile without inductor's buffer reuse (which gave them
-            # wrong gradients); rows without this key predate that.
-            res["regions_without_buffer_reuse"] = True
+            res["regions_compiled_without"] = list(NO_REUSE)
             results.append({**res, "options": _options(args), "block": args.block})
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

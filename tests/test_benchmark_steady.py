@@ -58,8 +58,27 @@ def test_the_command_writes_the_page_for_every_depth_asked(tmp_path, monkeypatch
     # Each row keeps its run's command, for a page rewritten from several runs.
     rows = json.loads(raw.read_text())
     assert {r["options"] for r in rows} == {"--layers 3,5 --mlp 7 --rounds 2 --block 4"}
-    assert all(r["regions_without_buffer_reuse"] for r in rows)
-    assert "were measured before" not in text
+    assert all(r["regions_compiled_without"] == list(steady_step.NO_REUSE) for r in rows)
+    assert "were measured while" not in text
+
+
+def test_the_rows_record_what_regions_are_compiled_without():
+    from fasttorch.transforms import _regions
+
+    assert steady_step.NO_REUSE == _regions._NO_REUSE  # the benchmark names the library's
+
+
+def test_rows_measured_with_a_reuse_option_on_are_named_for_each():
+    rows = [
+        {**_result(12, [(0.1,) * 4])},  # neither off (before the record)
+        {**_result(4, [(0.1,) * 4]), "regions_without_buffer_reuse": True},
+        {**_result(6, [(0.1,) * 4], "mlp"), "regions_compiled_without": ["allow_buffer_reuse"]},
+        {**_result(8, [(0.1,) * 4]), "regions_compiled_without": list(steady_step.NO_REUSE)},
+    ]
+    assert steady_step._stale(rows) == {
+        "`allow_buffer_reuse`": ["GPT, 12 layers"],
+        "`inplace_buffers`": ["GPT, 12 layers", "GPT, 4 layers", "MLP (M1), 6 blocks"],
+    }
 
 
 def test_a_page_from_two_runs_gives_both_commands(tmp_path, monkeypatch):
@@ -80,7 +99,10 @@ def test_a_page_from_two_runs_gives_both_commands(tmp_path, monkeypatch):
     ) in text
     assert "torch threads: 1;" in text
     # Rows from before regions compiled without buffer reuse say so.
-    assert "The regions rows (GPT, 12 layers; GPT, 4 layers) were measured before" in text
+    assert (
+        "The regions rows (GPT, 12 layers; GPT, 4 layers) were measured while a graph with "
+        "regions was still compiled with inductor's `allow_buffer_reuse` on"
+    ) in text
     assert "| `fasttorch.compiled` | GPT, 12 layers |" in text
     assert "| `fasttorch.compiled` | GPT, 4 layers |" in text
 

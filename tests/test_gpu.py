@@ -390,11 +390,12 @@ def test_many_tensor_model_is_big_enough():
 @pytest.mark.parametrize("rows", [8, 32])
 def test_regions_with_inductor_on_cuda_train_as_the_hand_written_loop(rows):
     """The check behind ``_regions.CUDA_AUTO``: ``compiled(regions=True)`` with inductor
-    on CUDA (buffer reuse off, as fasttorch compiles a graph with regions) trains the
-    regions test's model as the loop does, at batch sizes other than its width (16),
-    where the CPU computed wrong LayerNorm gradients with buffer reuse on; rule 2."""
+    on CUDA (buffer reuse and in-place buffers off, as fasttorch compiles a graph with
+    regions) trains the inductor regions test's model (both kinds of block) as the loop
+    does, at batch sizes other than its width (16), where the CPU computed wrong
+    gradients with either on; rule 2."""
     from reference import assert_params_close, batches, reference_run
-    from test_regions import Deep
+    from test_regions import TwoKinds
     from tolerance import params_atol, reference_error
 
     from fasttorch.transforms import _regions
@@ -402,7 +403,7 @@ def test_regions_with_inductor_on_cuda_train_as_the_hand_written_loop(rows):
     if _regions.unavailable() is not None:
         pytest.skip(_regions.unavailable())
     torch.manual_seed(0)
-    model = Deep().cuda()
+    model = TwoKinds().cuda()
     data = [tuple(t.cuda() for t in b) for b in batches(2, rows)]
     step = fasttorch.compiled(fasttorch.step(mse), regions=True)
     state = fasttorch.TrainState.create(
@@ -410,7 +411,8 @@ def test_regions_with_inductor_on_cuda_train_as_the_hand_written_loop(rows):
     )
     for b in data:
         state, _ = step(state, b)
-    assert _regions._CACHE.get(state.module) is not None  # the blocks ran as regions
+    blocks = _regions._CACHE.get(state.module)
+    assert blocks is not None and blocks.count == 4  # both groups ran as regions
 
     def adamw(params):
         return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)

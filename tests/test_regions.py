@@ -64,6 +64,35 @@ class Deep(nn.Module):
         return self.out(h)
 
 
+class Branch(Block):
+    """A block without its residual: the model adds it, ``h = h + branch(h)`` (as
+    benchmarks.models.MLP does), so the region's input is still used after its call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x)))))
+
+
+class TwoKinds(nn.Module):
+    """Blocks that add their residual (``Block``), then branches the model adds
+    (``Branch``): two groups of regions, the two shapes that inductor's buffer reuse and
+    in-place buffers each got wrong (_regions.inductor_options)."""
+
+    def __init__(self, depth: int = 2, width: int = 16):
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.branches = nn.ModuleList(Branch(width) for _ in range(depth))
+        self.out = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        for branch in self.branches:
+            h = h + branch(h)
+        return self.out(h)
+
+
 class Graphs:
     """A backend that keeps dynamo's graphs and runs them as aot_eager does."""
 
@@ -268,12 +297,14 @@ def test_regions_turn_the_cpp_wrapper_and_buffer_reuse_off():
         "max_autotune": False,
         "cpp_wrapper": False,
         "allow_buffer_reuse": False,
+        "inplace_buffers": False,
     }
     assert _regions.inductor_options({"backend": "aot_eager"}) == {"backend": "aot_eager"}
-    _checks.warn_once.cache_clear()
-    asked = {"backend": "inductor", "options": {"allow_buffer_reuse": True}}
-    with pytest.warns(UserWarning, match="allow_buffer_reuse.*is ignored"):
-        assert _regions.inductor_options(asked)["options"]["allow_buffer_reuse"] is False
+    for name in ("allow_buffer_reuse", "inplace_buffers"):
+        _checks.warn_once.cache_clear()
+        asked = {"backend": "inductor", "options": {name: True}}
+        with pytest.warns(UserWarning, match=f"{name}.*is ignored"):
+            assert _regions.inductor_options(asked)["options"][name] is False
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None, "True"])
@@ -356,18 +387,21 @@ def test_regions_compile_with_inductor_and_train_as_the_hand_written_loop():
     """The one inductor test: a region's forward and backward subgraphs built with the
     Python wrapper (the C++ one cannot call them) train the model as the loop does.
 
-    8 rows a batch, not the width (16): with inductor's buffer reuse on, 8 rows gave the
-    blocks' LayerNorm weights gradients off by about 1, 16 rows the right ones
-    (_regions.inductor_options)."""
+    Two groups of regions, 8 rows a batch (not the width, 16). With inductor's buffer
+    reuse on, the ``Block`` group's LayerNorm weights got gradients off by about 1 (at
+    16 rows they were right); with its in-place buffers on, every gradient before the
+    ``Branch`` group was off (_regions.inductor_options)."""
     torch.manual_seed(0)
-    model = Deep()
+    model = TwoKinds()
     data = batches(2, 8)
     step = fasttorch.compiled(fasttorch.step(mse), regions=True)
     _checks.warn_once.cache_clear()
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=r"compiled\(regions=True\)")  # not refused
         state = train(copy.deepcopy(model), step, data)
-    assert _regions._CACHE.get(state.module) is not None  # the blocks ran as regions
+    assert [len(g) for g in _regions.find_groups(model)[0]] == [2, 2]
+    blocks = _regions._CACHE.get(state.module)
+    assert blocks is not None and blocks.count == 4  # both groups ran as regions
     windows = [[b] for b in data]
     ref, _ = reference_run(model, windows, make_opt=adamw)
     error = reference_error(model, windows, make_opt=adamw)

@@ -415,26 +415,37 @@ def choose(option: RegionsOption, args: tuple[Any, ...], backend: object) -> Blo
     return found
 
 
+# Inductor's two ways of writing over a buffer it thinks dead (:func:`inductor_options`).
+_NO_REUSE = ("allow_buffer_reuse", "inplace_buffers")
+
+
 def inductor_options(options: dict[str, Any]) -> dict[str, Any]:
     """``torch.compile`` arguments for a graph with regions: no C++ wrapper (inductor's
-    cannot call a subgraph: ``cpp_wrapper_cpu.codegen_invoke_subgraph``), and no reuse
-    of one buffer for another (``allow_buffer_reuse``).
+    cannot call a subgraph: ``cpp_wrapper_cpu.codegen_invoke_subgraph``), and no buffer
+    written over once the graph thinks it dead (``allow_buffer_reuse``,
+    ``inplace_buffers``).
 
-    Why no reuse: with it, torch 2.13's inductor computed wrong gradients for blocks
-    holding a LayerNorm (tests/test_regions.py, 8 rows a batch: the blocks' LayerNorm
-    weights moved by about 1 in one ``sgd(1.0)`` step; on the benchmark GPT every
-    gradient was wrong), where ``aot_eager`` and the step without regions match the
-    eager step. Its memory planning reuses buffers across the wrapper's subgraph calls
-    (``memory_plan_reuse``; torch's own fix for nested scopes, pytorch#120777, covers
-    control flow). A caller's ``allow_buffer_reuse=True`` is overridden, with a warning.
+    Why: a region's forward subgraph returns tensors its backward needs, among them its
+    own inputs (a LayerNorm's or a linear layer's ``x``), and the generated wrapper does
+    not know such an output aliases the input. After the call it takes the input for
+    dead: with ``allow_buffer_reuse`` it gives the input's memory to a later buffer (a
+    block that adds its residual inside, tests/test_regions.py's ``Block``), with
+    ``inplace_buffers`` a kernel writes over it in place (``h = h + block(h)``,
+    ``Branch`` and ``benchmarks.models.MLP``). Either way the saved input changes
+    before the backward reads it, and torch 2.13's inductor computed wrong gradients
+    where ``aot_eager`` and the step without regions match the eager step. torch's fix
+    for nested scopes (pytorch#120777) covers control flow, not ``invoke_subgraph``. A
+    caller's ``True`` for either is overridden, with a warning.
     """
     if options.get("backend", "inductor") != "inductor":
         return options
     given = dict(options.get("options") or {})
-    if given.get("allow_buffer_reuse"):
-        warn_once(
-            "compiled: options={'allow_buffer_reuse': True} is ignored for a step whose "
-            "blocks run as regions: with it inductor computed wrong gradients (torch "
-            "2.13). Pass regions=False to keep it"
-        )
-    return {**options, "options": {**given, "cpp_wrapper": False, "allow_buffer_reuse": False}}
+    for name in _NO_REUSE:
+        if given.get(name):
+            warn_once(
+                f"compiled: options={{{name!r}: True}} is ignored for a step whose blocks run "
+                "as regions: with it inductor computed wrong gradients (torch 2.13). Pass "
+                "regions=False to keep it"
+            )
+    no_reuse = dict.fromkeys(_NO_REUSE, False)
+    return {**options, "options": {**given, "cpp_wrapper": False, **no_reuse}}
