@@ -56,20 +56,21 @@ RegionsOption: TypeAlias = "bool | Literal['auto']"
 
 # "auto" on a step whose tensors are all on the CPU uses regions from this many blocks
 # on; None: never. Inductor's C++ wrapper cannot call a subgraph, so a CPU graph with
-# regions goes back to the Python wrapper, which calls each kernel from Python. Side by
-# side (docs/benchmarks_steady.md) that cost no measurable share of the step from a
-# 4-layer GPT to a 24-layer one and on a 12-block MLP, and the cold compile is shorter;
-# not set yet because regions computed wrong gradients until buffer reuse was turned
-# off (:func:`inductor_options`), the 12/24-layer steady rows predate that, and few model
-# shapes were checked against the eager step (docs/design.md, "Regions computed wrong
-# gradients with inductor").
+# regions goes back to the Python wrapper, which calls each kernel from Python, and it
+# is compiled without buffer reuse or in-place buffers (:func:`inductor_options`, for
+# correctness). Side by side with both off (docs/benchmarks_steady.md, torch's default
+# two threads on two cores) the steps with regions ran 0.92x the whole step's speed on
+# a 4-layer GPT, 1.09x at 12 layers, 0.87x at 24, and 0.94x on a 12-block MLP: a share
+# of the step lost at three of four sizes, against a shorter cold compile
+# (docs/design.md, "In-place buffers too"). So not set.
 CPU_AUTO_MIN_BLOCKS: int | None = None
 
 # Whether "auto" uses regions on a step whose tensors are all on CUDA. Not yet: regions
 # have never run on a GPU here, and on the CPU inductor computed wrong gradients for
-# them until buffer reuse was turned off (:func:`inductor_options`), which may cost GPU
-# memory; the GPU command (benchmarks/gpu.py) runs tests/test_gpu.py, whose regions
-# test is the check to pass first (and torch.cuda.max_memory_allocated the cost).
+# them until buffer reuse and in-place buffers were turned off (:func:`inductor_options`),
+# which may cost GPU memory; the GPU command (benchmarks/gpu.py) runs tests/test_gpu.py,
+# whose regions test is the check to pass first (and torch.cuda.max_memory_allocated
+# the cost).
 CUDA_AUTO = False
 
 _VALID = "True, False or 'auto'"
