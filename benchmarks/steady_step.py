@@ -179,23 +179,36 @@ def write(path: Path, results: list[dict[str, Any]], args: argparse.Namespace, w
             'regions computed wrong gradients (docs/design.md, "Regions computed wrong '
             'gradients with inductor").\n'
         )
+    slowed = _without_reuse(results)
+    if slowed:
+        head.append(
+            f"The regions rows ({'; '.join(slowed)}) were measured before the alias pass "
+            "(`RegionAliases`), with their regions compiled without inductor's "
+            "`allow_buffer_reuse` and `inplace_buffers`, which cost them an allocation per "
+            "kernel and every in-place kernel.\n"
+        )
     if args.smoke:
         head.append('Smoke run: tiny sizes and `backend="aot_eager"`; the numbers mean nothing.\n')
     path.write_text("\n".join(head) + "\n" + table(results) + "\n")
 
 
-# What each row records about how its regions were compiled: inductor's options that
-# write over a buffer it thinks dead, both off since regions computed wrong gradients
-# with them (fasttorch.transforms._regions.inductor_options).
+# What each row records about how its regions were compiled
+# (fasttorch.transforms._regions.inductor_options): today with the graph pass of this
+# name, under which inductor's buffer reuse and in-place buffers keep their defaults;
+# before it with both off (``regions_compiled_without``); before that with either on and
+# no pass, which computed wrong gradients for some models.
+ALIAS_PASS = "RegionAliases"
 NO_REUSE = ("allow_buffer_reuse", "inplace_buffers")
 
 
 def _stale(results: list[dict[str, Any]]) -> dict[str, list[str]]:
-    """For each of :data:`NO_REUSE` still on in some rows' regions, those rows' models.
-    Rows older than the record say ``regions_without_buffer_reuse`` (the first turned
-    off) or nothing (neither)."""
+    """For each of :data:`NO_REUSE` still on in some rows' regions without the alias
+    pass, those rows' models. Rows older than the record say
+    ``regions_without_buffer_reuse`` (the first turned off) or nothing (neither)."""
     out: dict[str, list[str]] = {}
     for r in results:
+        if r.get("regions_alias_pass") == ALIAS_PASS:
+            continue
         off = r.get("regions_compiled_without")
         if off is None:
             off = ["allow_buffer_reuse"] if r.get("regions_without_buffer_reuse") else []
@@ -203,6 +216,18 @@ def _stale(results: list[dict[str, Any]]) -> dict[str, list[str]]:
             if name not in off and _model(r) not in out.get(name, []):
                 out.setdefault(name, []).append(_model(r))
     return {f"`{k}`": sorted(v) for k, v in out.items()}
+
+
+def _without_reuse(results: list[dict[str, Any]]) -> list[str]:
+    """The models of rows whose regions were compiled with both of :data:`NO_REUSE` off."""
+    return sorted(
+        {
+            _model(r)
+            for r in results
+            if r.get("regions_alias_pass") != ALIAS_PASS
+            and set(NO_REUSE) <= set(r.get("regions_compiled_without") or ())
+        }
+    )
 
 
 def main() -> None:
@@ -232,7 +257,7 @@ def main() -> None:
         results = []
         for model_name, n in asked:
             res = measure(int(n), args.rounds, args.block, args.smoke, model_name)
-            res["regions_compiled_without"] = list(NO_REUSE)
+            res["regions_alias_pass"] = ALIAS_PASS
             results.append({**res, "options": _options(args), "block": args.block})
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

@@ -58,14 +58,18 @@ def test_the_command_writes_the_page_for_every_depth_asked(tmp_path, monkeypatch
     # Each row keeps its run's command, for a page rewritten from several runs.
     rows = json.loads(raw.read_text())
     assert {r["options"] for r in rows} == {"--layers 3,5 --mlp 7 --rounds 2 --block 4"}
-    assert all(r["regions_compiled_without"] == list(steady_step.NO_REUSE) for r in rows)
-    assert "were measured while" not in text
+    assert all(r["regions_alias_pass"] == steady_step.ALIAS_PASS for r in rows)
+    assert "were measured while" not in text and "before the alias pass" not in text
 
 
-def test_the_rows_record_what_regions_are_compiled_without():
+def test_the_rows_record_how_regions_are_compiled():
     from fasttorch.transforms import _regions
+    from fasttorch.transforms._region_aliases import RegionAliases
 
-    assert steady_step.NO_REUSE == _regions._NO_REUSE  # the benchmark names the library's
+    # The benchmark names the library's pass, which inductor_options installs.
+    assert RegionAliases.__name__ == steady_step.ALIAS_PASS
+    inner = _regions.inductor_options({"backend": "inductor"})["options"]
+    assert isinstance(inner["post_grad_custom_pre_pass"], RegionAliases)
 
 
 def test_rows_measured_with_a_reuse_option_on_are_named_for_each():
@@ -74,11 +78,13 @@ def test_rows_measured_with_a_reuse_option_on_are_named_for_each():
         {**_result(4, [(0.1,) * 4]), "regions_without_buffer_reuse": True},
         {**_result(6, [(0.1,) * 4], "mlp"), "regions_compiled_without": ["allow_buffer_reuse"]},
         {**_result(8, [(0.1,) * 4]), "regions_compiled_without": list(steady_step.NO_REUSE)},
+        {**_result(10, [(0.1,) * 4]), "regions_alias_pass": steady_step.ALIAS_PASS},
     ]
     assert steady_step._stale(rows) == {
         "`allow_buffer_reuse`": ["GPT, 12 layers"],
         "`inplace_buffers`": ["GPT, 12 layers", "GPT, 4 layers", "MLP (M1), 6 blocks"],
     }
+    assert steady_step._without_reuse(rows) == ["GPT, 8 layers"]
 
 
 def test_a_page_from_two_runs_gives_both_commands(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ repeated blocks and ``"auto"`` on the CPU run without regions. aot_eager only.
 from __future__ import annotations
 
 import copy
+import operator
 import warnings
 
 import pytest
@@ -22,6 +23,7 @@ from torch import nn
 import fasttorch
 from fasttorch import _checks, _compat
 from fasttorch.transforms import _regions
+from fasttorch.transforms._region_aliases import RegionAliases, aliased_outputs
 
 pytestmark = pytest.mark.skipif(
     _regions.unavailable() is not None,
@@ -291,20 +293,79 @@ def test_auto_does_not_use_regions_yet(monkeypatch):
     assert not _regions.wanted("auto", {"cpu"}, 3, "inductor")
 
 
-def test_regions_turn_the_cpp_wrapper_and_buffer_reuse_off():
+def test_regions_turn_the_cpp_wrapper_off_and_add_the_alias_pass_first():
     opts = {"backend": "inductor", "options": {"max_autotune": False}}
-    assert _regions.inductor_options(opts)["options"] == {
-        "max_autotune": False,
-        "cpp_wrapper": False,
-        "allow_buffer_reuse": False,
-        "inplace_buffers": False,
-    }
+    inner = _regions.inductor_options(opts)["options"]
+    assert isinstance(inner.pop("post_grad_custom_pre_pass"), RegionAliases)
+    assert inner == {"max_autotune": False, "cpp_wrapper": False}  # reuse as inductor's default
     assert _regions.inductor_options({"backend": "aot_eager"}) == {"backend": "aot_eager"}
-    for name in ("allow_buffer_reuse", "inplace_buffers"):
-        _checks.warn_once.cache_clear()
-        asked = {"backend": "inductor", "options": {name: True}}
-        with pytest.warns(UserWarning, match=f"{name}.*is ignored"):
-            assert _regions.inductor_options(asked)["options"][name] is False
+
+    def theirs(graph):
+        pass
+
+    asked = {"backend": "inductor", "options": {"post_grad_custom_pre_pass": theirs}}
+    both = _regions.inductor_options(asked)["options"]["post_grad_custom_pre_pass"]
+    assert isinstance(both, _compat.CombinedGraphPass)
+    assert isinstance(both.passes[0], RegionAliases) and both.passes[1:] == [theirs]
+    assert both.uuid() is None  # theirs has no cache key: inductor caches nothing
+    assert RegionAliases().uuid() is not None
+
+
+class AfterAliasPass:
+    """An aot_autograd backend that runs RegionAliases on each graph AOT autograd hands
+    it, as inductor does, records what it saw and left, and runs the graph as it is."""
+
+    def __init__(self):
+        self.aliased: list[tuple[str, int]] = []  # (graph, output index) of the regions
+        self.still_read: list[tuple[str, int]] = []  # aliasing outputs read after the pass
+        self.views: list[object] = []  # the nodes' targets the pass added to the callers
+
+    def compile(self, gm: torch.fx.GraphModule, example):
+        before = {n.name for n in gm.graph.nodes}
+        calls = [n for n in gm.graph.nodes if n.target is INVOKE]
+        found = {c: aliased_outputs(getattr(gm, c.args[0].target)) for c in calls}
+        RegionAliases()(gm.graph)
+        gm.graph.lint()
+        gm.recompile()
+        for call, outs in found.items():
+            self.aliased += [(call.name, i) for i in outs]
+            self.still_read += [
+                (call.name, u.args[1])
+                for u in call.users
+                if u.target is operator.getitem and u.args[1] in outs and u.users
+            ]
+        self.views += [n.target for n in gm.graph.nodes if n.name not in before]
+        return gm
+
+
+def test_the_alias_pass_has_callers_read_a_regions_inputs_not_its_outputs():
+    """RegionAliases on the graphs of TwoKinds' step (both kinds of block): every output
+    of a region that is one of its inputs, or a view of one (the weights a linear layer
+    saves transposed), is read by no one after the pass; the graph it leaves trains the
+    model as the step without regions does. The inductor test runs it under inductor."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    seen = AfterAliasPass()
+
+    def keep(gm, example):
+        return make_boxed_func(seen.compile(gm, example))
+
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
+    torch.manual_seed(0)
+    model = TwoKinds()
+    data = batches(2, 8)
+    step = fasttorch.compiled(fasttorch.step(mse), backend=backend, regions=True)
+    state = train(copy.deepcopy(model), step, data)
+    assert _regions._CACHE.get(state.module) is not None
+    assert seen.aliased and seen.still_read == []
+    # Views repeated (a weight's transpose), not only inputs read again; nothing else.
+    assert seen.views and all(getattr(t, "is_view", False) for t in seen.views), seen.views
+    plain = train(
+        copy.deepcopy(model), fasttorch.compiled(fasttorch.step(mse), backend=backend), data
+    )
+    for k, p in plain.params.items():  # rule 1: the same operations, read from the same memory
+        torch.testing.assert_close(state.params[k], p, **EXACT)
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None, "True"])
@@ -387,10 +448,11 @@ def test_regions_compile_with_inductor_and_train_as_the_hand_written_loop():
     """The one inductor test: a region's forward and backward subgraphs built with the
     Python wrapper (the C++ one cannot call them) train the model as the loop does.
 
-    Two groups of regions, 8 rows a batch (not the width, 16). With inductor's buffer
-    reuse on, parameters ended up to 1.16 from the eager step's (Deep's ``Block``
-    LayerNorm weights were right at 16 rows); with its in-place buffers on, up to 0.039
-    (_regions.inductor_options)."""
+    Two groups of regions, 8 rows a batch (not the width, 16), inductor's buffer reuse
+    and in-place buffers on (its defaults). Without the alias pass
+    (_region_aliases.RegionAliases) parameters ended up to 1.16 from the eager step's
+    with buffer reuse (Deep's ``Block`` LayerNorm weights were right at 16 rows) and up
+    to 0.039 with in-place buffers alone (_regions.inductor_options)."""
     torch.manual_seed(0)
     model = TwoKinds()
     data = batches(2, 8)
@@ -420,3 +482,51 @@ def test_cuda_graphs_capture_a_step_with_regions():
     assert _regions._CACHE.get(model) is not None  # judged with the blocks as regions
     assert [r.name for r in reports] == ["micro", "close"]
     assert all(r.captured and not r.reasons for r in reports), reports
+
+
+def _calling_graph(sizes_inside: bool) -> torch.fx.GraphModule:
+    """A graph that calls a region returning a view of its input ``x`` (its size read
+    inside the region, or passed in as the region's input ``n``) and ``x * 2``, and
+    reads the view after the call."""
+    sub = torch.fx.Graph()
+    x, n = sub.placeholder("x"), sub.placeholder("n")
+    size = sub.call_function(torch.ops.aten.sym_size.int, (x, 0)) if sizes_inside else n
+    view = sub.call_function(torch.ops.aten.view.default, (x, [size, -1]))
+    sub.output((view, sub.call_function(torch.ops.aten.mul.Tensor, (x, 2))))
+    root = torch.nn.Module()
+    root.region = torch.fx.GraphModule(torch.nn.Module(), sub)
+    g = torch.fx.Graph()
+    a, k = g.placeholder("a"), g.placeholder("k")
+    call = g.call_function(INVOKE, (g.get_attr("region"), "r", a, k))
+    first, second = (g.call_function(operator.getitem, (call, i)) for i in range(2))
+    g.output((g.call_function(torch.ops.aten.add.Tensor, (first, 1)), second))
+    return torch.fx.GraphModule(root, g)
+
+
+@pytest.mark.parametrize("sizes_inside", [False, True])
+def test_the_alias_pass_repeats_a_view_outside_or_has_the_region_copy_it(sizes_inside):
+    """A view whose size the region computes cannot be repeated by its caller: the
+    region returns a copy of it instead (one copy, nothing aliased); a size that is the
+    region's input is the caller's operand, and the view is repeated outside."""
+    gm = _calling_graph(sizes_inside)
+    a = torch.arange(12.0).reshape(3, 4)
+    want = gm(a, 3)
+    assert list(aliased_outputs(gm.region)) == [0]
+    RegionAliases()(gm.graph)
+    gm.graph.lint()
+    gm.recompile()
+    got = gm(a, 3)
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, **EXACT)
+    # The region is changed only where the view could not be repeated.
+    assert bool(aliased_outputs(gm.region)) is not sizes_inside
+    read = [n for n in gm.graph.nodes if n.target is operator.getitem and n.args[1] == 0]
+    copies = gm.region.graph.find_nodes(op="call_function", target=torch.ops.aten.clone.default)
+    if sizes_inside:  # the caller still reads output 0, now a copy made in the region
+        assert len(read) == 1 and len(copies) == 1
+        assert got[0].untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+    else:  # the caller reads a's own view
+        assert read == [] and copies == []
+        views = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default)
+        a_node, k_node = gm.graph.find_nodes(op="placeholder")
+        assert len(views) == 1 and views[0].args == (a_node, [k_node, -1])

@@ -41,6 +41,7 @@ from fasttorch._checks import warn_once
 from fasttorch._module import call_with, is_sharded, tied_names
 from fasttorch.state import TrainState
 from fasttorch.substates import any_declares
+from fasttorch.transforms._region_aliases import RegionAliases
 
 __all__ = [
     "CPU_AUTO_MIN_BLOCKS",
@@ -416,37 +417,35 @@ def choose(option: RegionsOption, args: tuple[Any, ...], backend: object) -> Blo
     return found
 
 
-# Inductor's two ways of writing over a buffer it thinks dead (:func:`inductor_options`).
-_NO_REUSE = ("allow_buffer_reuse", "inplace_buffers")
-
-
 def inductor_options(options: dict[str, Any]) -> dict[str, Any]:
     """``torch.compile`` arguments for a graph with regions: no C++ wrapper (inductor's
-    cannot call a subgraph: ``cpp_wrapper_cpu.codegen_invoke_subgraph``), and no buffer
-    written over once the graph thinks it dead (``allow_buffer_reuse``,
-    ``inplace_buffers``).
+    cannot call a subgraph: ``cpp_wrapper_cpu.codegen_invoke_subgraph``), and the graph
+    pass :class:`~fasttorch.transforms._region_aliases.RegionAliases` ahead of any of
+    the caller's.
 
-    Why: a region's forward subgraph returns tensors its backward needs, among them its
-    own inputs (a LayerNorm's or a linear layer's ``x``), and the generated wrapper does
-    not know such an output aliases the input. After the call it takes the input for
-    dead: with ``allow_buffer_reuse`` it gives the input's memory to a later buffer (a
-    block that adds its residual inside, tests/test_regions.py's ``Block``), with
-    ``inplace_buffers`` a kernel writes over it in place (``h = h + block(h)``,
-    ``Branch`` and ``benchmarks.models.MLP``). Either way the saved input changes
-    before the backward reads it, and torch 2.13's inductor computed wrong gradients
-    where ``aot_eager`` and the step without regions match the eager step. torch's fix
-    for nested scopes (pytorch#120777) covers control flow, not ``invoke_subgraph``. A
-    caller's ``True`` for either is overridden, with a warning.
+    Why the pass: a region's forward subgraph returns tensors its backward needs, among
+    them its own inputs or views of them (a LayerNorm's or a linear layer's ``x``), and
+    torch 2.13's generated wrapper does not know such an output aliases the input. It
+    takes the input for dead after the call: with ``allow_buffer_reuse`` it gives the
+    input's memory to a later buffer (a block that adds its residual inside,
+    tests/test_regions.py's ``Block``), with ``inplace_buffers`` a kernel writes over it
+    in place (``h = h + block(h)``, ``Branch`` and ``benchmarks.models.MLP``), and the
+    backward read the changed input: wrong gradients, where ``aot_eager`` and the step
+    without regions match the eager step. torch's fix for nested scopes (pytorch#120777)
+    covers control flow, not ``invoke_subgraph``. The pass has the calling graph read
+    the input itself instead, so both options keep their defaults.
     """
     if options.get("backend", "inductor") != "inductor":
         return options
     given = dict(options.get("options") or {})
-    for name in _NO_REUSE:
-        if given.get(name):
-            warn_once(
-                f"compiled: options={{{name!r}: True}} is ignored for a step whose blocks run "
-                "as regions: with it inductor computed wrong gradients (torch 2.13). Pass "
-                "regions=False to keep it"
-            )
-    no_reuse = dict.fromkeys(_NO_REUSE, False)
-    return {**options, "options": {**given, "cpp_wrapper": False, **no_reuse}}
+    theirs = given.get("post_grad_custom_pre_pass")
+    passes: list[Any] = [RegionAliases()]
+    if isinstance(theirs, _compat.CombinedGraphPass):
+        passes += theirs.passes
+    elif theirs is not None:
+        passes += list(theirs) if isinstance(theirs, (list, tuple)) else [theirs]
+    both = passes[0] if len(passes) == 1 else _compat.CombinedGraphPass(passes)
+    return {
+        **options,
+        "options": {**given, "cpp_wrapper": False, "post_grad_custom_pre_pass": both},
+    }
