@@ -530,3 +530,11 @@ def test_the_alias_pass_repeats_a_view_outside_or_has_the_region_copy_it(sizes_i
         views = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default)
         a_node, k_node = gm.graph.find_nodes(op="placeholder")
         assert len(views) == 1 and views[0].args == (a_node, [k_node, -1])
+
+
+def test_the_alias_pass_refuses_a_call_it_does_not_know():
+    gm = _calling_graph(False)
+    call = next(n for n in gm.graph.nodes if n.target is INVOKE)
+    call.args = call.args[:-1]  # one operand fewer than the region's inputs
+    with pytest.raises(RuntimeError, match=r"does not know.*Pass regions=False"):
+        RegionAliases()(gm.graph)

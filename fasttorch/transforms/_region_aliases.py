@@ -115,6 +115,28 @@ def _copy_in_region(sub: torch.fx.GraphModule, i: int) -> None:
     sub.recompile()
 
 
+def _subgraph(gm: Any, call: torch.fx.Node) -> torch.fx.GraphModule:
+    """The region graph ``call`` runs, checked to be called as torch 2.12-2.13 call it
+    (``invoke_subgraph(graph, identifier, *operands)``): a pass that misread a call
+    would leave its aliases in place, so a call of another form is an error."""
+    first = call.args[0] if call.args else None
+    named = isinstance(first, torch.fx.Node) and isinstance(first.target, str)
+    sub = getattr(gm, cast(str, cast(torch.fx.Node, first).target), None) if named else None
+    if (
+        not isinstance(first, torch.fx.Node)
+        or first.op != "get_attr"
+        or not isinstance(sub, torch.fx.GraphModule)
+        or len(_placeholders(sub.graph)) != len(call.args) - 2
+    ):
+        raise RuntimeError(
+            f"compiled(regions=...): torch {torch.__version__} calls a nested compile "
+            f"region as {call.format_node()}, which fasttorch's graph pass for regions "
+            "(RegionAliases) does not know, and without it inductor can compute wrong "
+            "gradients for regions. Pass regions=False"
+        )
+    return sub
+
+
 class RegionAliases(_compat.CustomGraphPass):
     """Point the readers of a region's aliasing outputs at the region's inputs."""
 
@@ -123,7 +145,7 @@ class RegionAliases(_compat.CustomGraphPass):
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target is not _INVOKE:
                 continue
-            sub = getattr(gm, node.args[0].target)
+            sub = _subgraph(gm, node)
             operands = tuple(node.args[2:])
             for i, (chain, k) in aliased_outputs(sub).items():
                 items = [u for u in node.users if u.target is operator.getitem and u.args[1] == i]
