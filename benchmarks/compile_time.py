@@ -94,7 +94,12 @@ def _model_loop(model: Any, backend: str) -> Any:
 
 
 def _fasttorch_step(
-    model: Any, backend: str, cache: str | None, regional: bool = False, opaque: bool = False
+    model: Any,
+    backend: str,
+    cache: str | None,
+    regional: bool = False,
+    opaque: bool = False,
+    inductor: dict[str, Any] | None = None,
 ) -> Any:
     import fasttorch
 
@@ -103,6 +108,8 @@ def _fasttorch_step(
     inner = fasttorch.with_amp(fasttorch.step(_loss), "bf16")
     step = fasttorch.clip_scaled(fasttorch.grad_accumulate(inner, ACCUM), 1.0)
     kwargs: dict[str, Any] = {"cache_dir": cache} if backend == "inductor" else {}
+    if inductor and backend == "inductor":
+        kwargs["options"] = inductor
     fast = fasttorch.compiled(step, backend=backend, regions=regional, **kwargs)
 
     def run(batch: Any) -> None:

@@ -21,7 +21,12 @@ the same step.
 * ``step``: ``fasttorch.compiled`` of the whole step (the defaults);
 * ``opaque``: the same with ``adamw(..., opaque=True)``;
 * ``regional``: with ``compiled(..., regions=True)``;
-* ``regional_opaque``: both.
+* ``regional_opaque``: both;
+* ``python_wrapper``: the whole step with inductor's Python wrapper
+  (``options={"cpp_wrapper": False}``), which a graph with regions needs on a CPU: the
+  whole step's time over this one is what the wrapper alone costs, and this one's over
+  ``regional``'s what the regions cost beyond it (a smoke run's aot_eager has no
+  wrapper: the whole step again).
 """
 
 from __future__ import annotations
@@ -37,13 +42,15 @@ from benchmarks.compile_time import ACCUM, _batches, _fasttorch_step, _gpt, page
 from benchmarks.stats import summarize
 
 ROOT = Path(__file__).resolve().parent.parent
-KINDS = ("step", "opaque", "regional", "regional_opaque")
+KINDS = ("step", "opaque", "regional", "regional_opaque", "python_wrapper")
 LABELS = {
     "step": "`fasttorch.compiled`",
     "opaque": "`fasttorch.compiled`, `adamw(..., opaque=True)`",
     "regional": "`fasttorch.compiled(..., regions=True)`",
     "regional_opaque": "`fasttorch.compiled(..., regions=True)`, `opaque=True`",
+    "python_wrapper": "`fasttorch.compiled`, inductor's Python wrapper (`cpp_wrapper=False`)",
 }
+PYTHON_WRAPPER = {"cpp_wrapper": False}
 
 
 def _mlp(blocks: int, smoke: bool) -> tuple[Any, list[Any]]:
@@ -77,7 +84,8 @@ def measure(
     runs, first = {}, {}
     for kind in KINDS:
         regional, opaque = kind in ("regional", "regional_opaque"), kind.endswith("opaque")
-        run = _fasttorch_step(copy.deepcopy(model), backend, None, regional, opaque)
+        inductor = PYTHON_WRAPPER if kind == "python_wrapper" else None
+        run = _fasttorch_step(copy.deepcopy(model), backend, None, regional, opaque, inductor)
         t0 = time.perf_counter()
         run(data[0])
         first[kind] = time.perf_counter() - t0
@@ -124,9 +132,9 @@ def table(results: list[dict[str, Any]]) -> str:
     ]
     for res in results:
         rounds = res["rounds"]
-        times = {k: {i: r[k] for i, r in enumerate(rounds)} for k in KINDS}
+        times = {k: {i: r[k] for i, r in enumerate(rounds)} for k in KINDS if k in rounds[0]}
         summary = summarize(times, "step", range(len(rounds)))
-        for kind in KINDS:
+        for kind in [k for k in KINDS if k in rounds[0]]:  # older rows: fewer options
             s = summary[kind]
             lines.append(
                 f"| {LABELS[kind]} | {_model(res)} | {s.seconds_per_step * 1e3:.1f} | "

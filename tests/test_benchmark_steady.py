@@ -14,8 +14,11 @@ from benchmarks import steady_step
 
 
 def _result(layers, per_round, model="gpt"):
-    rounds = [dict(zip(steady_step.KINDS, r, strict=True)) for r in per_round]
-    compile_s = dict.fromkeys(steady_step.KINDS, 2.0)
+    """A row of ``per_round`` times, in ``KINDS``' order (4 of them: a row from before
+    the Python-wrapper option)."""
+    kinds = steady_step.KINDS[: len(per_round[0])]
+    rounds = [dict(zip(kinds, r, strict=True)) for r in per_round]
+    compile_s = dict.fromkeys(kinds, 2.0)
     return {"model": model, "layers": layers, "compile": compile_s, "rounds": rounds}
 
 
@@ -33,6 +36,15 @@ def test_the_table_gives_medians_over_rounds_and_per_round_speed_ups():
     # regions: half the whole step's time in every round.
     regions = "| `fasttorch.compiled(..., regions=True)` | GPT, 4 layers | 50.0 | 2.00 [2.00-2.00]"
     assert regions in text
+
+
+def test_the_python_wrapper_row_splits_the_regions_cost_and_older_rows_lack_it():
+    new = _result(4, [(0.10, 0.1, 0.125, 0.1, 0.11)] * 3)
+    text = steady_step.table([new, _result(6, [(0.1,) * 4] * 3)])
+    wrapper = "inductor's Python wrapper (`cpp_wrapper=False`) | GPT, 4 layers | 110.0 | 0.91"
+    assert wrapper in text
+    assert "Python wrapper (`cpp_wrapper=False`) | GPT, 6 layers" not in text
+    assert text.count("| GPT, 6 layers |") == 4
 
 
 def test_the_command_writes_the_page_for_every_depth_asked(tmp_path, monkeypatch):
