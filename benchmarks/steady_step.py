@@ -177,7 +177,11 @@ def write(path: Path, results: list[dict[str, Any]], args: argparse.Namespace, w
         "table gives the median over rounds. The first "
         "step column is not a cold compile: the options compile one after the other in "
         "one process, in the table's order, and each later one reuses kernels inductor "
-        "built for the earlier ones (docs/benchmarks_compile.md has the cold times).",
+        "built for the earlier ones (docs/benchmarks_compile.md has the cold times). "
+        "The Python wrapper rows are the whole step with inductor's Python wrapper "
+        "(`cpp_wrapper=False`) instead of its C++ one, as a graph with regions needs on a "
+        "CPU (inductor's C++ wrapper cannot call a subgraph): the part of the regions' "
+        "speed-up that is not the wrapper's is their own.",
         "",
     ]
     for setting, rows in _stale(results).items():

@@ -57,13 +57,12 @@ RegionsOption: TypeAlias = "bool | Literal['auto']"
 
 # "auto" on a step whose tensors are all on the CPU uses regions from this many blocks
 # on; None: never. Inductor's C++ wrapper cannot call a subgraph, so a CPU graph with
-# regions goes back to the Python wrapper, which calls each kernel from Python, and it
-# is compiled without buffer reuse or in-place buffers (:func:`inductor_options`, for
-# correctness). Side by side with both off (docs/benchmarks_steady.md, torch's default
-# two threads on two cores) the steps with regions ran 0.92x the whole step's speed on
-# a 4-layer GPT, 1.09x at 12 layers, 0.87x at 24, and 0.94x on a 12-block MLP: a share
-# of the step lost at three of four sizes, against a shorter cold compile
-# (docs/design.md, "In-place buffers too"). So not set.
+# regions goes back to the Python wrapper, which calls each kernel from Python, and no
+# kernel fuses across a region's edge. Side by side (docs/benchmarks_steady.md, torch's
+# default two threads on two cores, with the alias pass) the steps with regions ran
+# 0.88x the whole step's speed on a 4-layer GPT, 0.84x at 12 layers, 0.90x at 24 and
+# 0.83x on a 12-block MLP; the whole step with the Python wrapper alone 0.89x, 0.96x,
+# 0.93x and 1.00x. A share of every step lost, against a shorter cold compile: not set.
 CPU_AUTO_MIN_BLOCKS: int | None = None
 
 # Whether "auto" uses regions on a step whose tensors are all on CUDA. Not yet: regions
