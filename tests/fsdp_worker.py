@@ -136,8 +136,42 @@ def compose(kind, distributed, n=2):
 PRECISION = {"amp_bf16": "bf16", "amp_fp16": "fp16"}
 
 
+_ONE_PROCESS: dict = {}
+
+
+def _one_process(kind, opt, make_model, compiled):
+    """The one process's run of ``kind`` on the whole global batch (its state and last
+    metrics) and the fp32 loop's own error against float64 (rule 2, and 4 under
+    autocast), for the model ``make_model`` builds. Made once per rank, eagerly, and
+    shared by the eager and the compiled sharded runs; compiled only for a compiled run
+    of torch's own optimizer (``from_torch``), which then runs torch's capturable kernel,
+    another kernel than the eager one (tests/test_optim_torch.py)."""
+    compiled = compiled and opt == "torch_adamw"
+    key = (kind, opt, make_model, compiled)
+    if key not in _ONE_PROCESS:
+        make_opt, torch_opt = OPTS[opt]
+        half = kind in PRECISION
+        data = global_batches(STEPS, EQUAL if half else ROWS)
+        ref_step = compose(kind, False, n=4 if half else 2)
+        if compiled:
+            ref_step = fasttorch.compiled(ref_step, backend="aot_eager", dynamic=False)
+        ref = fasttorch.TrainState.create(make_model(), make_opt())
+        for b in data:
+            ref, ref_m = ref_step(ref, b)
+        error = reference_error(
+            make_model(),
+            [list(zip(*(t.tensor_split(2) for t in b))) for b in data],
+            make_opt=torch_opt,
+            clip=0.5,
+        )
+        _ONE_PROCESS[key] = (ref, ref_m, error)
+    return _ONE_PROCESS[key]
+
+
 def check_equals_single_process(rank, kind, mode, opt="adamw"):
-    """A sharded run == one process on the whole global batch, both ``mode``.
+    """A sharded run, eager or compiled (``mode``), == one process on the whole global
+    batch (:func:`_one_process`: eagerly, but for torch's own optimizer compiled;
+    compiled == eager in one process is tests/test_equivalence.py's).
 
     In fp32 the ranks' shards differ in size (16 and 14 rows of 30), and the one
     process splits its batch in 2 microbatches: the same mathematics in another order
@@ -147,30 +181,18 @@ def check_equals_single_process(rank, kind, mode, opt="adamw"):
     process splits its 32 rows into 4 microbatches, the ranks' own: the same autocast
     kernels on the same rows with seeds a power of two apart.
     """
-    make_opt, torch_opt = OPTS[opt]
-    half = kind in PRECISION
-    rows = EQUAL if half else ROWS
+    make_opt, _ = OPTS[opt]
+    rows = EQUAL if kind in PRECISION else ROWS
     data = global_batches(STEPS, rows)
-    ref_step = compose(kind, False, n=4 if half else 2)
     step = compose(kind, True)
     if mode.startswith("compiled"):
-        ref_step = fasttorch.compiled(ref_step, backend="aot_eager", dynamic=False)
         step = fasttorch.compiled(step, backend="aot_eager", dynamic=False)
     make_model = block_model if mode == "compiled_blocks" else plain_model
-    ref = fasttorch.TrainState.create(make_model(), make_opt())
-    for b in data:
-        ref, ref_m = ref_step(ref, b)
+    ref, ref_m, error = _one_process(kind, opt, make_model, mode.startswith("compiled"))
     model = sharded_model(compile_blocks=mode == "compiled_blocks")
     state = replicate(fasttorch.TrainState.create(model, make_opt()))
     for b in data:
         state, m = step(state, shard(b, rank, rows))
-    # Rule 2 (and 4 under autocast): the fp32 loop's own error against float64.
-    error = reference_error(
-        make_model(),
-        [list(zip(*(t.tensor_split(2) for t in b))) for b in data],
-        make_opt=torch_opt,
-        clip=0.5,
-    )
     precision = PRECISION.get(kind, "fp32")
     bound = params_atol(error.params, ref.params, precision=precision, steps=STEPS, lr=LR)
     mine = full(state, state.params)
