@@ -390,10 +390,10 @@ def test_many_tensor_model_is_big_enough():
 @pytest.mark.parametrize("rows", [8, 32])
 def test_regions_with_inductor_on_cuda_train_as_the_hand_written_loop(rows):
     """The check behind ``_regions.CUDA_AUTO``: ``compiled(regions=True)`` with inductor
-    on CUDA (buffer reuse and in-place buffers off, as fasttorch compiles a graph with
-    regions) trains the inductor regions test's model (both kinds of block) as the loop
-    does, at batch sizes other than its width (16), where the CPU computed wrong
-    gradients with either on; rule 2."""
+    on CUDA (with the alias pass, buffer reuse and in-place buffers on, as fasttorch
+    compiles a graph with regions) trains the inductor regions test's model (both kinds
+    of block) as the loop does, at batch sizes other than its width (16), where the CPU
+    computed wrong gradients with either on before the pass; rule 2."""
     from reference import assert_params_close, batches, reference_run
     from test_regions import TwoKinds
     from tolerance import params_atol, reference_error

@@ -67,10 +67,9 @@ CPU_AUTO_MIN_BLOCKS: int | None = None
 
 # Whether "auto" uses regions on a step whose tensors are all on CUDA. Not yet: regions
 # have never run on a GPU here, and on the CPU inductor computed wrong gradients for
-# them until buffer reuse and in-place buffers were turned off (:func:`inductor_options`),
-# which may cost GPU memory; the GPU command (benchmarks/gpu.py) runs tests/test_gpu.py,
-# whose regions test is the check to pass first (and torch.cuda.max_memory_allocated
-# the cost).
+# them until the alias pass (:func:`inductor_options`); the GPU command
+# (benchmarks/gpu.py) runs tests/test_gpu.py, whose regions test is the check to pass
+# first.
 CUDA_AUTO = False
 
 _VALID = "True, False or 'auto'"

@@ -179,8 +179,8 @@ def compiled(
         regions: ``True``, ``False`` or ``"auto"``: run the model's repeated blocks
             (children of one ``nn.ModuleList``/``nn.Sequential``, same class, parameters
             and settings, no buffers) as calls of one ``nested_compile_region``, traced
-            and compiled once for all layers, with inductor's buffer reuse and
-            in-place buffers off.
+            and compiled once for all layers, with inductor's Python wrapper and
+            fasttorch's graph pass for outputs that alias a region's inputs.
             ``"auto"``: not yet on any device (docs/transforms.md, "Regional
             compilation").
 
