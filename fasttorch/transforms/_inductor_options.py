@@ -60,13 +60,23 @@ def _with_cpu_gemm(
     out.setdefault("emulate_precision_casts", True)
     mine = HalfGemmInFloat32(dtypes, set_emulate=set_emulate)
     mine.unavailable = unavailable
-    theirs = out.get("post_grad_custom_pre_pass")
-    if theirs is None:
-        out["post_grad_custom_pre_pass"] = mine
-    else:
-        rest = list(theirs) if isinstance(theirs, (list, tuple)) else [theirs]
-        out["post_grad_custom_pre_pass"] = _compat.CombinedGraphPass([mine, *rest])
-    return out
+    return with_pass_first(out, mine)
+
+
+def _passes(given: Any) -> list[Any]:
+    """The passes in a ``post_grad_custom_pre_pass`` value: one, a list, or combined."""
+    if given is None:
+        return []
+    if isinstance(given, _compat.CombinedGraphPass):
+        return list(given.passes)
+    return list(given) if isinstance(given, (list, tuple)) else [given]
+
+
+def with_pass_first(inner: dict[str, Any], mine: Any) -> dict[str, Any]:
+    """Inductor options ``inner`` with graph pass ``mine`` run ahead of those it has."""
+    passes = [mine, *_passes(inner.get("post_grad_custom_pre_pass"))]
+    both = passes[0] if len(passes) == 1 else _compat.CombinedGraphPass(passes)
+    return {**inner, "post_grad_custom_pre_pass": both}
 
 
 def _separate_build_is_ours(options: dict[str, Any], opts: dict[str, Any]) -> bool:
@@ -175,11 +185,7 @@ def _without_cpu_only_passes(options: dict[str, Any], args: Any) -> dict[str, An
     inner = options.get("options")
     if not isinstance(inner, dict):
         return options
-    given = inner.get("post_grad_custom_pre_pass")
-    if isinstance(given, _compat.CombinedGraphPass):
-        passes = list(given.passes)
-    else:
-        passes = list(given) if isinstance(given, (list, tuple)) else [given]
+    passes = _passes(inner.get("post_grad_custom_pre_pass"))
     mine = [p for p in passes if getattr(p, "cpu_only", False)]
     if _on_cpu(args):
         mine = [p for p in mine if getattr(p, "unavailable", None)]

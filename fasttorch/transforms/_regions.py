@@ -41,6 +41,7 @@ from fasttorch._checks import warn_once
 from fasttorch._module import call_with, is_sharded, tied_names
 from fasttorch.state import TrainState
 from fasttorch.substates import any_declares
+from fasttorch.transforms._inductor_options import with_pass_first
 from fasttorch.transforms._region_aliases import RegionAliases
 
 __all__ = [
@@ -435,15 +436,5 @@ def inductor_options(options: dict[str, Any]) -> dict[str, Any]:
     """
     if options.get("backend", "inductor") != "inductor":
         return options
-    given = dict(options.get("options") or {})
-    theirs = given.get("post_grad_custom_pre_pass")
-    passes: list[Any] = [RegionAliases()]
-    if isinstance(theirs, _compat.CombinedGraphPass):
-        passes += theirs.passes
-    elif theirs is not None:
-        passes += list(theirs) if isinstance(theirs, (list, tuple)) else [theirs]
-    both = passes[0] if len(passes) == 1 else _compat.CombinedGraphPass(passes)
-    return {
-        **options,
-        "options": {**given, "cpp_wrapper": False, "post_grad_custom_pre_pass": both},
-    }
+    given = with_pass_first(dict(options.get("options") or {}), RegionAliases())
+    return {**options, "options": {**given, "cpp_wrapper": False}}
