@@ -170,8 +170,9 @@ def _one_process(kind, opt, make_model, compiled):
 
 def check_equals_single_process(rank, kind, mode, opt="adamw"):
     """A sharded run, eager or compiled (``mode``), == one process on the whole global
-    batch (:func:`_one_process`: eagerly, but for torch's own optimizer compiled;
-    compiled == eager in one process is tests/test_equivalence.py's).
+    batch (:func:`_one_process`: eagerly, but for torch's own optimizer compiled; that
+    one process, eager and compiled, equals the hand-written loop in
+    tests/test_equivalence.py).
 
     In fp32 the ranks' shards differ in size (16 and 14 rows of 30), and the one
     process splits its batch in 2 microbatches: the same mathematics in another order

@@ -14,8 +14,7 @@ output: its users read the input itself, through the same views, applied in the
 calling graph. Inductor then sees the input live for as long as the output was used and
 neither frees nor overwrites it; the region's code is unchanged. Where a view cannot be
 repeated outside the region (a size computed inside it), the region returns a copy of
-the view instead. Tensors stay where they were: no copy is made in either case but the
-last.
+the view instead: the one case that copies a tensor.
 """
 
 from __future__ import annotations
