@@ -256,10 +256,11 @@ def test_async_save_returns_before_the_write_and_keeps_the_staged_values(tmp_pat
     step, state = w.build("crash")
     state, _ = w.run(step, state, 0, 2)
     expected = w.leaves(state)
-    gate = threading.Event()
+    gate, reached = threading.Event(), threading.Event()
     publish = checkpoint._publish
 
-    def slow_publish(plan):
+    def slow_publish(plan):  # the files are written; the rename waits for the gate
+        reached.set()
         assert gate.wait(30)
         publish(plan)
 
@@ -268,6 +269,8 @@ def test_async_save_returns_before_the_write_and_keeps_the_staged_values(tmp_pat
     assert not handle.done()
     assert checkpoint.latest(tmp_path) is None  # not visible before it is complete
     state, _ = w.run(step, state, 2, 3)  # steps run (in place) while the save waits
+    assert reached.wait(30)  # the background write has made its .tmp. directory
+    assert not handle.done() and checkpoint.latest(tmp_path) is None
     assert checkpoint.prune(tmp_path, keep_last=1) == []  # a save in flight is no leftover
     assert [p.name[:5] for p in tmp_path.iterdir()] == [".tmp."]
     gate.set()
