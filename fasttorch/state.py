@@ -394,8 +394,11 @@ def commit(donate: bool, old: Any, new: Any) -> Any:
         return new
     dst: list[torch.Tensor] = []
     src: list[torch.Tensor] = []
-    out = _reuse(old, new, dst, src, torch.compiler.is_compiling())
-    if len(dst) > 0:
+    compiling = torch.compiler.is_compiling()
+    out = _reuse(old, new, dst, src, compiling)
+    if len(dst) > 0 and compiling:  # the compiler makes its own kernels for the copies
+        torch._foreach_copy_(dst, src)
+    elif len(dst) > 0:
         _copy_by_dtype(dst, src)
     return out
 
@@ -437,9 +440,23 @@ def _reuse(
             return old
         return new
     if isinstance(new, dict) and isinstance(old, dict):
-        return {
-            k: _reuse(old[k], v, dst, src, compiling) if k in old else v for k, v in new.items()
-        }
+        out = {}
+        for k, v in new.items():
+            if isinstance(v, torch.Tensor):  # the tensor case above, written out: a dict
+                o = old.get(k)  # of parameters is walked per tensor in every trace
+                if (
+                    isinstance(o, torch.Tensor)
+                    and o is not v
+                    and o.shape == v.shape
+                    and (o.dtype == v.dtype)
+                ):
+                    dst.append(o)
+                    src.append(v)
+                    v = o
+                out[k] = v
+            else:
+                out[k] = _reuse(old[k], v, dst, src, compiling) if k in old else v
+        return out
     if isinstance(new, struct.Record) and type(old) is type(new):
         changes = {}
         for name in struct.data_fields(new):
