@@ -3,8 +3,11 @@
 A model's blocks (the children of an ``nn.ModuleList`` or ``nn.Sequential`` of one
 class, with the same parameter names, shapes and dtypes: ``model.blocks``,
 ``model.layers``, ``model.h``) each run as a call of one
-``torch.compiler.nested_compile_region``, so dynamo traces the block once and stamps
-it out for every layer, and inductor generates its code once. The rest of the step
+``torch.compiler.nested_compile_region``, so AOT autograd traces the block's forward
+and backward once and inductor generates their code once, for every layer. Dynamo
+still traces each block's call and merges the identical subgraphs afterwards: it
+reuses a region's trace only for a region without side effects, and the swap of the
+block's tensors into the template is one (docs/design.md). The rest of the step
 (loss, backward, accumulation, clipping, update) stays in the step's graphs.
 
 How: the region is ``run(tensors, *args, **kwargs)``, which runs a parameterless copy

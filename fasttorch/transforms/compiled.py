@@ -178,9 +178,10 @@ def compiled(
             you trust.
         regions: ``True``, ``False`` or ``"auto"``: run the model's repeated blocks
             (children of one ``nn.ModuleList``/``nn.Sequential``, same class, parameters
-            and settings, no buffers) as calls of one ``nested_compile_region``, traced
-            and compiled once for all layers, with inductor's Python wrapper and
-            fasttorch's graph pass for outputs that alias a region's inputs.
+            and settings, no buffers) as calls of one ``nested_compile_region``,
+            differentiated and compiled once for all layers (dynamo still traces each
+            call), with inductor's Python wrapper and fasttorch's graph pass for
+            outputs that alias a region's inputs.
             ``"auto"``: not yet on any device (docs/transforms.md, "Regional
             compilation").
 
