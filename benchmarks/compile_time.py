@@ -3,6 +3,10 @@
     python -m benchmarks.compile_time               # rewrites docs/benchmarks_compile.md
     python -m benchmarks.compile_time --smoke       # tiny, aot_eager, the options at 2 layers only
 
+On a GPU, the GPU command (``python -m benchmarks.gpu``, its last part) runs the same
+processes with ``--device cuda``: GPT-2 124M's width, heads, context and vocabulary at
+12 and 24 layers, 8 sequences a microbatch.
+
 Every measurement is the first step of a fresh process with a fresh
 ``TORCHINDUCTOR_CACHE_DIR`` (cold), on the same GPT, batch and training step (bf16
 autocast, 4 microbatches, clip to norm 1, AdamW):
@@ -47,21 +51,28 @@ ROOT = Path(__file__).resolve().parent.parent
 ACCUM = 4
 
 
-def _gpt(layers: int, smoke: bool) -> Any:
+def _sizes(smoke: bool, device: str) -> tuple[int, int, int, int, int]:
+    """Vocabulary, context, width, heads and sequences per microbatch."""
+    if device == "cuda" and not smoke:
+        return 50304, 1024, 768, 12, 8  # GPT-2 124M's (benchmarks.models' M3)
+    return 128, 16 if smoke else 32, 32 if smoke else 64, 4, 4
+
+
+def _gpt(layers: int, smoke: bool, device: str = "cpu") -> Any:
     from benchmarks.models import GPT
 
-    width = 32 if smoke else 64
-    return GPT(vocab=128, context=16 if smoke else 32, layers=layers, width=width, heads=4)
+    vocab, context, width, heads, _ = _sizes(smoke, device)
+    return GPT(vocab=vocab, context=context, layers=layers, width=width, heads=heads).to(device)
 
 
-def _batches(smoke: bool, n: int) -> list[Any]:
+def _batches(smoke: bool, n: int, device: str = "cpu") -> list[Any]:
     import torch
 
-    context = 16 if smoke else 32
+    vocab, context, _, _, micro = _sizes(smoke, device)
     g = torch.Generator().manual_seed(1)
     out = []
     for _ in range(n):
-        seq = torch.randint(0, 128, (ACCUM * 4, context + 1), generator=g)
+        seq = torch.randint(0, vocab, (ACCUM * micro, context + 1), generator=g).to(device)
         out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
     return out
 
@@ -74,7 +85,7 @@ def _loss(apply: Any, batch: Any) -> Any:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def _model_loop(model: Any, backend: str) -> Any:
+def _model_loop(model: Any, backend: str, device: str = "cpu") -> Any:
     """The hand-written loop over ``torch.compile(model)``: one call = one step."""
     import torch
 
@@ -83,7 +94,7 @@ def _model_loop(model: Any, backend: str) -> Any:
 
     def run(batch: Any) -> None:
         for x, y in zip(batch[0].chunk(ACCUM), batch[1].chunk(ACCUM), strict=True):
-            with torch.autocast("cpu", torch.bfloat16):
+            with torch.autocast(device, torch.bfloat16):
                 loss = _loss(fast, (x, y)) / ACCUM
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -118,7 +129,9 @@ def _fasttorch_step(
     return run
 
 
-def child(kind: str, layers: int, smoke: bool, cache: str | None) -> dict[str, Any]:
+def child(
+    kind: str, layers: int, smoke: bool, cache: str | None, device: str = "cpu"
+) -> dict[str, Any]:
     """One process's measurement: first step (compile) and median steady step, seconds."""
     import torch
 
@@ -126,22 +139,24 @@ def child(kind: str, layers: int, smoke: bool, cache: str | None) -> dict[str, A
 
     torch.manual_seed(0)
     backend = "aot_eager" if smoke else "inductor"
-    model = _gpt(layers, smoke)
+    model = _gpt(layers, smoke, device)
     if kind == "model":
-        run = _model_loop(model, backend)
+        run = _model_loop(model, backend, device)
     else:
         regional, opaque = kind in ("regional", "regional_opaque"), kind.endswith("opaque")
         run = _fasttorch_step(model, backend, cache, regional=regional, opaque=opaque)
-    data = _batches(smoke, 2 if smoke else 4)
+    data = _batches(smoke, 2 if smoke else 4, device)
+
+    def timed(batch: Any) -> float:
+        t0 = time.perf_counter()
+        run(batch)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
     with _compat.inductor_graph_seconds() as graphs:
-        t0 = time.perf_counter()
-        run(data[0])
-        first = time.perf_counter() - t0
-    steady = []
-    for b in data[1:]:
-        t0 = time.perf_counter()
-        run(b)
-        steady.append(time.perf_counter() - t0)
+        first = timed(data[0])
+    steady = [timed(b) for b in data[1:]]
     return {
         "first": first,
         "step": statistics.median(steady),
@@ -151,14 +166,25 @@ def child(kind: str, layers: int, smoke: bool, cache: str | None) -> dict[str, A
     }
 
 
-def _spawn(kind: str, layers: int, smoke: bool, cache: str | None, own: str) -> dict[str, Any]:
+def _spawn(
+    kind: str,
+    layers: int,
+    smoke: bool,
+    cache: str | None,
+    own: str,
+    device: str = "cpu",
+    timeout: float | None = None,
+) -> dict[str, Any]:
     # One torch thread and passive OpenMP waits: on shared cores a spinning thread
     # stalls every kernel, and compile time is single-threaded Python and C++ builds.
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": own, "PYTHONPATH": str(ROOT)}
     env |= {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     cmd = [sys.executable, "-m", "benchmarks.compile_time", "--child", kind]
-    cmd += ["--layers", str(layers), "--cache", cache or ""] + (["--smoke"] if smoke else [])
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, cwd=ROOT)
+    cmd += ["--layers", str(layers), "--cache", cache or "", "--device", device]
+    cmd += ["--smoke"] if smoke else []
+    done = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, check=False, cwd=ROOT, timeout=timeout
+    )
     if done.returncode != 0:
         raise RuntimeError(f"{kind} {layers} layers failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
@@ -368,12 +394,13 @@ def main() -> None:
     p.add_argument("--cache", default="")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)  # for a --child
     p.add_argument("--json")
     p.add_argument("--from-json", help="rewrite the document from a run's --json rows")
     p.add_argument("--out", default=str(ROOT / "docs" / "benchmarks_compile.md"))
     args = p.parse_args()
     if args.child:
-        res = child(args.child, int(args.layers), args.smoke, args.cache or None)
+        res = child(args.child, int(args.layers), args.smoke, args.cache or None, args.device)
         print(json.dumps(res))
         return
     lo, hi = (int(x) for x in args.layers.split(","))

@@ -1,6 +1,6 @@
 """One command for a GPU machine: the GPU tests, the suite's GPU rows, the top kernels.
 
-``python -m benchmarks.gpu`` runs the next part of three (each fits a 10-minute lend of
+``python -m benchmarks.gpu`` runs the next part of four (each fits a 10-minute lend of
 a GPU machine), saves what it measured in ``.gpu-cache/results.json`` and rewrites the
 GPU section of docs/benchmarks.md from everything saved so far; run it again to go on
 (``--part N`` runs part N again). Compiled variants compile into
@@ -12,21 +12,27 @@ Accelerate rows (B4, B5) run only where those are installed.
 1. ``tests/test_gpu.py``; GPT-2 124M (M3) bf16: B0-B3, F0-F2, then B4, B5.
 2. M3 fp16 (GradScaler in the hand loops): the same; the top kernels of F1 and B1.
 3. M1 and M2 bf16: B0 and F2; M4 (ResNet-50) fp32 and bf16: B0 and F1.
+4. Compile time (``benchmarks.compile_time``'s processes on CUDA, GPT-2 124M's sizes,
+   cold caches): ``torch.compile(model)``, the whole step and the step with
+   ``regions=True`` at 12 layers, a warm start, then the same three at 24 layers.
 
 ``--dry-run`` runs every piece on a CPU at toy sizes (M1, eager variants; fp16 and
-CUDA-graph rows noted as not run), into ``.gpu-cache/dry-run*`` unless told otherwise:
-it checks the machinery, and its numbers mean nothing.
+CUDA-graph rows noted as not run; the compile part at 1 layer with ``aot_eager``, once),
+into ``.gpu-cache/dry-run*`` unless told otherwise: it checks the machinery, and its
+numbers mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +50,8 @@ COMPILED = frozenset({"B1", "B2", "B3", "B4", "B5", "F1", "F2"})
 
 @dataclass(frozen=True)
 class Stage:
-    """One piece of work: ``kind`` "tests", "suite" (benchmarks.run's rows) or "kernels"."""
+    """One piece of work: ``kind`` "tests", "suite" (benchmarks.run's rows), "kernels" or
+    "compile" (benchmarks.compile_time's runs, ``variants`` its kinds, at ``layers``)."""
 
     key: str
     part: int
@@ -52,6 +59,7 @@ class Stage:
     model: str = ""
     precision: str = ""
     variants: tuple[str, ...] = ()
+    layers: int = 0
 
 
 STAGES = (
@@ -65,6 +73,8 @@ STAGES = (
     Stage("M2 bf16", 3, "suite", "M2", "bf16", ("B0", "F2")),
     Stage("M4 fp32", 3, "suite", "M4", "fp32", ("B0", "F1")),
     Stage("M4 bf16", 3, "suite", "M4", "bf16", ("B0", "F1")),
+    Stage("compile 12", 4, "compile", variants=("model", "step", "regional", "warm"), layers=12),
+    Stage("compile 24", 4, "compile", variants=("model", "step", "regional"), layers=24),
 )
 
 
@@ -76,6 +86,22 @@ def plan(stage: Stage, dry_run: bool) -> tuple[Stage, list[str]]:
         if v in variants and importlib.util.find_spec(module) is None:
             variants.remove(v)
             notes.append(f"{v}: not run: {module} is not installed")
+    if stage.kind == "compile":
+        from fasttorch.transforms import _regions
+
+        kinds = stage.variants
+        why = _regions.unavailable()
+        if why is not None and "regional" in kinds:
+            kinds = tuple(k for k in kinds if k != "regional")
+            notes.append(f"regional: not run: {why}")
+        if not dry_run:
+            return dataclasses.replace(stage, variants=kinds), notes
+        # aot_eager keeps no compiled code to start warm from; two layers of the toy GPT
+        # (a region needs two blocks)
+        if "warm" in kinds:
+            notes.append("warm: dry run, not run (aot_eager keeps no compiled code)")
+        kinds = tuple(k for k in kinds if k != "warm")
+        return dataclasses.replace(stage, variants=kinds, layers=2), notes
     if not dry_run:
         return Stage(
             stage.key, stage.part, stage.kind, stage.model, stage.precision, tuple(variants)
@@ -169,11 +195,38 @@ def run_kernels(stage: Stage, device: str, cache: Path) -> dict[str, Any]:
     return out
 
 
+def run_compile(stage: Stage, dry_run: bool, device: str, cache: Path) -> dict[str, Any]:
+    """``benchmarks.compile_time``'s processes, one per kind, each with fresh inductor
+    caches (``warm``: the whole step again from the ``step`` run's ``cache_dir``). A run
+    that fails or passes 540 s is kept as its error; the others go on."""
+    from benchmarks import compile_time
+
+    rows = []
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="compile-", dir=cache) as tmp:
+        kept = os.path.join(tmp, "step-cache")  # the step's cache_dir, for the warm run
+        for i, kind in enumerate(stage.variants):
+            own = os.path.join(tmp, f"inductor-{i}")
+            child, keep = ("step", kept) if kind in ("step", "warm") else (kind, None)
+            row: dict[str, Any] = {"kind": kind, "layers": stage.layers}
+            print(f"   {kind}, {stage.layers} layers", flush=True)
+            try:
+                row |= compile_time._spawn(
+                    child, stage.layers, dry_run, keep, own, device, timeout=540
+                )
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                row["error"] = str(e)[-1500:]
+            rows.append(row)
+    return {"compile": rows}
+
+
 def run_stage(stage: Stage, dry_run: bool, device: str, cache: Path) -> dict[str, Any]:
     if stage.kind == "tests":
         return run_tests(dry_run)
     if stage.kind == "kernels":
         return run_kernels(stage, device, cache)
+    if stage.kind == "compile":
+        return run_compile(stage, dry_run, device, cache)
     args = suite_args(dry_run, device)
     block = run.run_model(
         args, stage.model, list(stage.variants), stage.precision, device, cache / "inductor"
@@ -222,15 +275,90 @@ def _section(saved: dict[str, Any], dry_run: bool) -> str:
                 for r in rows:
                     name = r["name"].replace("|", "/")[:90]
                     lines.append(f"| `{name}` | {r['us_per_step']:.1f} | {r['calls_per_step']:g} |")
+    compiled = [r for s in stages.values() if isinstance(s, dict) for r in s.get("compile", [])]
+    if compiled:
+        lines += ["", *_compile_section(compiled)]
     notes = saved.get("notes", [])
     if notes:
         lines += ["", "Not run:", "", *(f"- {n}" for n in notes)]
     return "\n".join(lines)
 
 
+_KINDS = {
+    "model": "`torch.compile(model)`",
+    "step": "`fasttorch.compiled`",
+    "regional": "`fasttorch.compiled(..., regions=True)`",
+    "warm": "`fasttorch.compiled`, warm start",
+}
+
+
+def _compile_section(rows: list[dict[str, Any]]) -> list[str]:
+    """Part 4's table: each run's first step and its parts, then the ratios the compile
+    targets are stated in (cold compile <= 1.5x ``torch.compile(model)``'s for GPT-2
+    124M on a GPU; 24 / 12 layers <= 1.2)."""
+    lines = [
+        "### Compile time (GPT-2 124M's sizes, one cold process each)",
+        "",
+        "Written by this command's part 4 with `benchmarks.compile_time`'s processes "
+        "(bf16 autocast, 4 microbatches of 8 sequences, clip to norm 1, AdamW; a fresh "
+        "`TORCHINDUCTOR_CACHE_DIR` each; warm: the whole step again from the first run's "
+        "`cache_dir`). Steady step: the median of 3 steps after the first, indicative only.",
+        "",
+        "| run | layers | first step (s) | dynamo (s) | backend (s) | steady step (ms) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    got: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in rows:
+        label = _KINDS.get(r["kind"], r["kind"])
+        if "error" in r:
+            last = r["error"].strip().splitlines()[-1:] or ["?"]
+            lines.append(f"| {label} | {r['layers']} | failed: {last[0][:120]} | | | |")
+            continue
+        got[(r["kind"], r["layers"])] = r
+        lines.append(
+            f"| {label} | {r['layers']} | {r['first']:.1f} | {r.get('dynamo', 0):.1f} | "
+            f"{r.get('backend', 0):.1f} | {r['step'] * 1e3:.1f} |"
+        )
+
+    def ratio(a: tuple[str, int], b: tuple[str, int], key: str = "first") -> str:
+        if a not in got or b not in got:
+            return "not measured"
+        return f"{got[a][key] / got[b][key]:.2f}"
+
+    layers = sorted({n for _, n in got})
+    lo, hi = (layers[0], layers[-1]) if layers else (0, 0)
+    lines += ["", "| ratio | measured | target |", "|---|---:|---:|"]
+    for n in layers:
+        lines.append(
+            f"| cold compile, whole step / `torch.compile(model)`, {n} layers "
+            f"| {ratio(('step', n), ('model', n))} | {'<= 1.5' if n == lo else ''} |"
+        )
+        lines.append(
+            f"| cold compile, regions / whole step, {n} layers "
+            f"| {ratio(('regional', n), ('step', n))} | |"
+        )
+        lines.append(
+            f"| steady step, regions / whole step, {n} layers "
+            f"| {ratio(('regional', n), ('step', n), 'step')} | |"
+        )
+    if hi != lo:
+        for kind in ("model", "step", "regional"):
+            lines.append(
+                f"| cold compile, {_KINDS[kind]}, {hi} / {lo} layers "
+                f"| {ratio((kind, hi), (kind, lo))} | {'<= 1.2' if kind != 'model' else ''} |"
+            )
+    warm = got.get(("warm", lo))
+    lines.append(
+        f"| warm start (s), {lo} layers | {warm['first']:.1f} | <= 5 |"
+        if warm
+        else f"| warm start (s), {lo} layers | not measured | <= 5 |"
+    )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__)
-    ap.add_argument("--part", type=int, choices=[1, 2, 3], help="default: the next one not done")
+    ap.add_argument("--part", type=int, choices=[1, 2, 3, 4], help="default: the next one not done")
     ap.add_argument("--dry-run", action="store_true", help="every piece on a CPU, toy sizes")
     ap.add_argument("--results", type=Path, default=None, help="the results file to resume")
     ap.add_argument("--out", type=Path, default=None, help="the document to write the section to")
@@ -266,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         saved["device"] = device
         saved["device_name"] = torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
         notes = set(saved.get("notes", []))
-        ran_suite = False  # a dry run runs one suite stage a part: the rest repeat it
+        ran: set[str] = set()  # a dry run runs one suite (compile) stage a part: the
+        # rest would repeat its machinery
         for stage in (s for s in STAGES if s.part == part):
             if stage.key in done and args.part is None:
                 continue  # this part was cut short before: go on where it stopped
@@ -275,11 +404,11 @@ def main(argv: list[str] | None = None) -> int:
             if real.kind == "skip" or (real.kind == "suite" and real.variants in ((), ("B0",))):
                 done[stage.key] = "not run"
                 continue
-            if args.dry_run and real.kind == "suite" and ran_suite:
+            if args.dry_run and real.kind in ("suite", "compile") and real.kind in ran:
                 notes.add(f"{stage.key}: dry run: the same machinery as this part's first")
                 done[stage.key] = "not run"
                 continue
-            ran_suite = ran_suite or real.kind == "suite"
+            ran.add(real.kind)
             print(f"== part {part}: {stage.key}", flush=True)
             done[stage.key] = run_stage(real, args.dry_run, device, cache)
             saved["notes"] = sorted(notes)

@@ -508,7 +508,7 @@ def _gpu_command(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_gpu_command_dry_run_resumes_part_by_part(tmp_path):
-    """The GPU machine's one command, every piece on a CPU: three runs, each the next
+    """The GPU machine's one command, every piece on a CPU: four runs, each the next
     part, resuming from its results file; the section lands between its markers in the
     document and survives benchmarks.run rewriting the rest."""
     from benchmarks.sections import BEGIN, END, keep_section
@@ -518,11 +518,11 @@ def test_gpu_command_dry_run_resumes_part_by_part(tmp_path):
     cache = tmp_path / "cache"
     common = ("--cache-dir", str(cache), "--out", str(doc))
     left = []
-    for _ in range(3):
+    for _ in range(4):
         out = _gpu_command(*common).stdout
         left.append(out.strip().splitlines()[-1])
-    assert left[0].endswith("parts left: [2, 3]") and left[1].endswith("parts left: [3]")
-    assert left[2].endswith("parts left: none")
+    assert left[0].endswith("parts left: [2, 3, 4]") and left[1].endswith("parts left: [3, 4]")
+    assert left[2].endswith("parts left: [4]") and left[3].endswith("parts left: none")
     saved = json.loads((cache / "dry-run-results.json").read_text())
     assert set(saved["stages"]) == {
         "tests",
@@ -535,9 +535,19 @@ def test_gpu_command_dry_run_resumes_part_by_part(tmp_path):
         "M2 bf16",
         "M4 fp32",
         "M4 bf16",
+        "compile 12",
+        "compile 24",
     }
     assert "collected" in saved["stages"]["tests"]["summary"]
     assert saved["stages"]["M3 bf16"]["variants"] == ["B0", "F0"]
+    compiled = saved["stages"]["compile 12"]["compile"]  # the 24-layer stage is the same
+    assert [(r["kind"], r["layers"]) for r in compiled] == [
+        ("model", 2),
+        ("step", 2),
+        ("regional", 2),
+    ]
+    assert all("error" not in r and r["first"] > 0 for r in compiled), compiled
+    assert saved["stages"]["compile 24"] == "not run"
     kernels = saved["stages"]["M3 bf16 kernels"]
     assert set(kernels) == {"F0", "B0"} and all(isinstance(k, list) and k for k in kernels.values())
     text = doc.read_text()
@@ -545,7 +555,8 @@ def test_gpu_command_dry_run_resumes_part_by_part(tmp_path):
     assert text.count(BEGIN) == 1 and text.count(END) == 1
     assert "DRY RUN on a CPU: the numbers mean nothing" in text
     assert "| B0 |" in text and "Top kernels of F0" in text and "fp16: not run" in text
-    assert "parts run: part 1" in text and "part 3" in text
+    assert "parts run: part 1" in text and "part 4" in text
+    assert "| cold compile, whole step / `torch.compile(model)`, 2 layers |" in text
     # A fourth run only rewrites the section; benchmarks.run keeps it.
     assert "every part is done" in _gpu_command(*common).stdout
     rewritten = keep_section(doc, "# Benchmarks\n\nnew tables\n")
