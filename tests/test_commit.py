@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerance import EXACT
 
 from fasttorch.state import commit
 
@@ -54,8 +55,8 @@ def test_each_fitting_tensor_is_written_into_the_old_one(mode):
     assert out.keys() == new.keys()
     assert out["fits"] is before["fits"] and out["same"] is before["same"]
     assert out["inner"]["fits"] is inner["fits"] and out["inner"]["count"] is inner["count"]
-    torch.testing.assert_close(out["fits"], expected["fits"], rtol=0, atol=0)
-    torch.testing.assert_close(out["inner"]["fits"], expected["inner.fits"], rtol=0, atol=0)
+    torch.testing.assert_close(out["fits"], expected["fits"], **EXACT)  # copies: rule 1
+    torch.testing.assert_close(out["inner"]["fits"], expected["inner.fits"], **EXACT)
     assert out["inner"]["count"].item() == 4
     for key in ("shape", "dtype", "none", "added"):  # nothing of the old one fits
         assert out[key] is new[key], key
