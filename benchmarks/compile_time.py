@@ -166,7 +166,7 @@ def child(
     }
 
 
-def _spawn(
+def spawn(
     kind: str,
     layers: int,
     smoke: bool,
@@ -175,6 +175,8 @@ def _spawn(
     device: str = "cpu",
     timeout: float | None = None,
 ) -> dict[str, Any]:
+    """One measurement in a new process (:func:`child`'s numbers), its inductor caches
+    in ``own``; ``cache``: the step's ``cache_dir``. Raises if the process fails."""
     # One torch thread and passive OpenMP waits: on shared cores a spinning thread
     # stalls every kernel, and compile time is single-threaded Python and C++ builds.
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": own, "PYTHONPATH": str(ROOT)}
@@ -206,13 +208,13 @@ def measure(depths: tuple[int, int], rounds: int, smoke: bool) -> list[dict[str,
                     if kind == "step":  # the one the warm run starts from
                         caches[layers] = cache
                     own = os.path.join(tmp, f"own-{kind}-{layers}")
-                    res = _spawn(kind, layers, smoke, cache, own)
+                    res = spawn(kind, layers, smoke, cache, own)
                     rows.append({"round": r, "kind": kind, "layers": layers, **res})
                     print(json.dumps(rows[-1]), flush=True)
             if smoke:  # aot_eager keeps no compiled code: a warm run would be a cold one
                 continue
             own = os.path.join(tmp, "own-warm")
-            res = _spawn("step", depths[0], smoke, caches[depths[0]], own)
+            res = spawn("step", depths[0], smoke, caches[depths[0]], own)
             rows.append({"round": r, "kind": "warm", "layers": depths[0], **res})
             print(json.dumps(rows[-1]), flush=True)
     return rows

@@ -211,7 +211,7 @@ def run_compile(stage: Stage, dry_run: bool, device: str, cache: Path) -> dict[s
             row: dict[str, Any] = {"kind": kind, "layers": stage.layers}
             print(f"   {kind}, {stage.layers} layers", flush=True)
             try:
-                row |= compile_time._spawn(
+                row |= compile_time.spawn(
                     child, stage.layers, dry_run, keep, own, device, timeout=540
                 )
             except (RuntimeError, subprocess.TimeoutExpired) as e:
