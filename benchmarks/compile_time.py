@@ -21,7 +21,8 @@ autocast, 4 microbatches, clip to norm 1, AdamW):
   GPT's blocks a call of one ``torch.compiler.nested_compile_region``, traced and
   compiled once, with inductor's Python wrapper, since its C++ wrapper cannot call a
   subgraph (``NotImplementedError`` in torch 2.13's
-  ``cpp_wrapper_cpu.codegen_invoke_subgraph``); ``regions="auto"`` leaves it off on the
+  ``cpp_wrapper_cpu.codegen_invoke_subgraph``; 2.15's fails to compile a region called
+  twice: ``_regions.inductor_options``); ``regions="auto"`` leaves it off on the
   CPU, and this row is the measurement behind that (docs/design.md);
 * ``opaque`` and ``regional_opaque``: ``step`` and ``regional`` with
   ``adamw(..., opaque=True)``, the update one operator the compiler does not look into

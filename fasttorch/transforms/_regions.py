@@ -60,8 +60,9 @@ __all__ = [
 RegionsOption: TypeAlias = "bool | Literal['auto']"
 
 # "auto" on a step whose tensors are all on the CPU uses regions from this many blocks
-# on; None: never. Inductor's C++ wrapper cannot call a subgraph, so a CPU graph with
-# regions goes back to the Python wrapper, which calls each kernel from Python, and no
+# on; None: never. Inductor's C++ wrapper cannot call a region (up to torch 2.14; torch
+# 2.15 fails to compile a region called twice: :func:`inductor_options`), so a CPU graph
+# with regions goes back to the Python wrapper, which calls each kernel from Python, and no
 # kernel fuses across a region's edge. Side by side (docs/benchmarks_steady.md, torch's
 # default two threads on two cores, with the alias pass) the steps with regions ran
 # 0.88x the whole step's speed on a 4-layer GPT, 0.84x at 12 layers, 0.90x at 24 and
@@ -152,8 +153,9 @@ def check_option(
     if why is None and cpp_wrapper:
         why = (
             "options={'cpp_wrapper': True} was given, and inductor's C++ wrapper cannot "
-            "call a nested compile region (NotImplementedError in "
-            "cpp_wrapper_cpu.codegen_invoke_subgraph)"
+            "call a nested compile region (up to torch 2.14: NotImplementedError in "
+            "cpp_wrapper_cpu.codegen_invoke_subgraph; torch 2.15's C++ fails to compile "
+            "for a region called more than once)"
         )
     if why is not None:
         raise ValueError(f"compiled(regions=True): {why}. Pass regions=False or 'auto'")
@@ -421,10 +423,18 @@ def choose(option: RegionsOption, args: tuple[Any, ...], backend: object) -> Blo
 
 
 def inductor_options(options: dict[str, Any]) -> dict[str, Any]:
-    """``torch.compile`` arguments for a graph with regions: no C++ wrapper (inductor's
-    cannot call a subgraph: ``cpp_wrapper_cpu.codegen_invoke_subgraph``), and the graph
-    pass :class:`~fasttorch.transforms._region_aliases.RegionAliases` ahead of any of
-    the caller's.
+    """``torch.compile`` arguments for a graph with regions: no C++ wrapper, and the
+    graph pass :class:`~fasttorch.transforms._region_aliases.RegionAliases` ahead of
+    any of the caller's.
+
+    Why no C++ wrapper: up to torch 2.14 it cannot call a region
+    (``cpp_wrapper_cpu.codegen_invoke_subgraph`` raises ``NotImplementedError``). Torch
+    2.15 implements it (pytorch#194703) by inlining the region's body in a C++ block at
+    each call, and the C++ compiler fails on a region called twice: the second copy uses
+    buffers and size arrays the first copy declared inside its own block ("error:
+    'repeated_subgraph0_buf0' was not declared in this scope", torch's own
+    ``nested_compile_region`` over two blocks, under ``torch.no_grad``; the compile
+    benchmark's step fails the same way in its backward subgraph).
 
     Why the pass: a region's forward subgraph returns tensors its backward needs, among
     them its own inputs or views of them (a LayerNorm's or a linear layer's ``x``), and
