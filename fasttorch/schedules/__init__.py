@@ -7,12 +7,33 @@ objects built (and validated) outside the step; calling one uses torch ops only 
 graph and never recompiles as the step advances. Each matches a
 ``torch.optim.lr_scheduler`` class where torch has one: ``schedule(k)`` is the rate the
 torch scheduler gives the optimizer for its ``k``-th ``opt.step()`` (0-indexed).
+:func:`hf` gives Hugging Face's ``get_scheduler`` types and :func:`timm_cosine` timm's
+``CosineLRScheduler``, value for value; :func:`sequential` chains schedules as
+``SequentialLR`` does and :func:`per_epoch` steps any of them once per epoch.
 """
 
 from __future__ import annotations
 
 from fasttorch.schedules._base import Schedule
-from fasttorch.schedules._combine import Warmup, warmup
+from fasttorch.schedules._combine import (
+    PerEpoch,
+    Sequential,
+    Warmup,
+    per_epoch,
+    sequential,
+    warmup,
+)
+from fasttorch.schedules._hf import (
+    HFConstantWithWarmup,
+    HFCosine,
+    HFCosineWarmupWithMinLR,
+    HFCosineWithRestarts,
+    HFInverseSqrt,
+    HFLinear,
+    HFPolynomial,
+    HFWarmupStableDecay,
+    hf,
+)
 from fasttorch.schedules._shapes import (
     Constant,
     Cosine,
@@ -25,19 +46,35 @@ from fasttorch.schedules._shapes import (
     one_cycle,
     step_decay,
 )
+from fasttorch.schedules._timm import TimmCosine, timm_cosine
 
 __all__ = [
     "Constant",
     "Cosine",
+    "HFConstantWithWarmup",
+    "HFCosine",
+    "HFCosineWarmupWithMinLR",
+    "HFCosineWithRestarts",
+    "HFInverseSqrt",
+    "HFLinear",
+    "HFPolynomial",
+    "HFWarmupStableDecay",
     "LinearWarmup",
     "OneCycle",
+    "PerEpoch",
     "Schedule",
+    "Sequential",
     "StepDecay",
+    "TimmCosine",
     "Warmup",
     "constant",
     "cosine",
+    "hf",
     "linear_warmup",
     "one_cycle",
+    "per_epoch",
+    "sequential",
     "step_decay",
+    "timm_cosine",
     "warmup",
 ]
