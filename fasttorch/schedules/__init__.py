@@ -32,8 +32,8 @@ from fasttorch.schedules._hf import (
     HFLinear,
     HFPolynomial,
     HFWarmupStableDecay,
-    hf,
 )
+from fasttorch.schedules._hf_names import hf
 from fasttorch.schedules._shapes import (
     Constant,
     Cosine,
