@@ -393,3 +393,23 @@ def test_new_schedules_compile_once_and_equal_eager(name: str) -> None:
         # Rule 1: aot_eager runs the eager schedule's operations, in the same order.
         assert float(compiled(step)) == float(sched(step)), k
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("name", ["hf_wsd", "timm_cosine", "per_epoch_sequential"])
+def test_new_schedules_drive_a_compiled_step_without_recompiling(name: str) -> None:
+    from reference import LayerNormNet, batches, mse
+
+    import fasttorch
+
+    sched = NEW_SCHEDULES[name]()
+    torch.manual_seed(0)
+    state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.adamw(sched))
+    step = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    data = batches(1, 8)[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(12):
+            state, metrics = step(state, data)
+            # Rule 1: the step evaluates the same schedule on the same step, then casts.
+            assert torch.equal(metrics["lr"], sched(torch.tensor(k)).to(metrics["lr"].dtype)), k
+    assert not [w for w in caught if issubclass(w.category, fasttorch.RecompileWarning)]
