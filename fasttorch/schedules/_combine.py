@@ -47,6 +47,8 @@ def warmup(warmup_steps: int, then: Schedule, *, init: float = 0.0) -> Warmup:
     milestones=[warmup_steps])``. With the default ``init=0`` the first update does not
     move the parameters; nanoGPT's ramp ``peak * (k + 1) / (warmup_steps + 1)`` is
     ``init=then(0) / (warmup_steps + 1)`` exactly.
+    timm's ``CosineLRScheduler`` is this with ``warmup_prefix=True`` only; by default it
+    runs its warm-up under the unshifted cosine (``schedules.timm_cosine``).
 
     Args:
         warmup_steps: length of the warm-up, an int >= 1.

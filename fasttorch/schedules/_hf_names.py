@@ -140,10 +140,10 @@ def hf(
                 f"{list(valid) or 'none'}."
             )
 
-    def need(value: int | None, arg: str, hf_arg: str) -> int:
+    def need(value: int | None, arg: str, hf_arg: str, low: int) -> int:
         if value is None:
             raise ValueError(f"{api} requires {arg}= (get_scheduler's {hf_arg}).")
-        return value
+        return _checks.count(api, arg, value, low=low, hint="A number of steps.")
 
     if kind == "constant":
         unknown(())
@@ -156,13 +156,13 @@ def hf(
         return Constant(peak)
     if kind == "warmup_stable_decay":
         unknown(_WSD_KWARGS)
-        w = need(warmup_steps, "warmup_steps", "num_warmup_steps")
+        w = need(warmup_steps, "warmup_steps", "num_warmup_steps", 0)
         if "num_decay_steps" not in kwargs:
             raise ValueError(f"{api} requires num_decay_steps= (a scheduler_specific_kwarg).")
         decay = _checks.count(api, "num_decay_steps", kwargs["num_decay_steps"], low=0)
         stable = kwargs.get("num_stable_steps")
         if stable is None:
-            total = need(total_steps, "total_steps", "num_training_steps; or num_stable_steps")
+            total = need(total_steps, "total_steps", "num_training_steps; or num_stable_steps", 1)
             stable = total - w - decay
             if stable < 0:
                 raise ValueError(
@@ -179,9 +179,9 @@ def hf(
         return HFWarmupStableDecay(peak, w, stable, decay, **fields)
     cls, takes_total, names = _KWARGS[kind]
     unknown(tuple(names))
-    args: list[Any] = [peak, need(warmup_steps, "warmup_steps", "num_warmup_steps")]
+    args: list[Any] = [peak, need(warmup_steps, "warmup_steps", "num_warmup_steps", 0)]
     if takes_total:
-        args.append(need(total_steps, "total_steps", "num_training_steps"))
+        args.append(need(total_steps, "total_steps", "num_training_steps", 1))
     fields = {names[k]: v for k, v in kwargs.items() if names[k]}
     if "min_lr" in names:
         if ("min_lr" in kwargs) == ("min_lr_rate" in kwargs):
