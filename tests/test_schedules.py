@@ -206,3 +206,210 @@ def test_a_schedule_that_cannot_run_in_a_step_is_refused_when_the_optimizer_is_b
             build(schedule)
     with pytest.raises((TypeError, ValueError), match=words):
         fasttorch.optim.from_torch(torch.optim.Adam, schedule)
+
+
+def _torch_lrs_per_epoch(
+    base_lr: float,
+    make: Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler],
+    epochs: int,
+    steps_per_epoch: int,
+) -> list[float]:
+    """The lr of every update when the scheduler is stepped once per epoch."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base_lr)
+    sched = make(opt)
+    lrs = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(epochs):
+            for _ in range(steps_per_epoch):
+                lrs.append(opt.param_groups[0]["lr"])
+                opt.step()
+            sched.step()
+    return lrs
+
+
+@pytest.mark.parametrize(
+    ("warmup_method", "lr_min", "steps_per_epoch"),
+    [("linear", 0.0, 5), ("linear", 1e-4, 3), ("constant", 0.0, 4)],
+)
+def test_per_epoch_sequential_matches_torchvision_reference(
+    warmup_method: str, lr_min: float, steps_per_epoch: int
+) -> None:
+    # torchvision's references/classification/train.py with --lr-warmup-method
+    # linear|constant --lr-warmup-epochs 3 --lr-warmup-decay 0.01 --lr-scheduler
+    # cosineannealinglr: SequentialLR stepped once per epoch.
+    lr, epochs, warm, decay = 0.5, 14, 3, 0.01
+
+    def make(o: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        main = torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=epochs - warm, eta_min=lr_min)
+        if warmup_method == "linear":
+            first: torch.optim.lr_scheduler.LRScheduler = torch.optim.lr_scheduler.LinearLR(
+                o, start_factor=decay, total_iters=warm
+            )
+        else:
+            first = torch.optim.lr_scheduler.ConstantLR(o, factor=decay, total_iters=warm)
+        return torch.optim.lr_scheduler.SequentialLR(o, [first, main], milestones=[warm])
+
+    ref = _torch_lrs_per_epoch(lr, make, epochs, steps_per_epoch)
+    if warmup_method == "linear":
+        head: schedules.Schedule = schedules.linear_warmup(lr, warm, init=decay * lr)
+    else:
+        head = schedules.constant(decay * lr)
+    ours = schedules.per_epoch(
+        schedules.sequential([head, schedules.cosine(lr, epochs - warm, end=lr_min)], [warm]),
+        steps_per_epoch,
+    )
+    _assert_close(_ours(ours, epochs * steps_per_epoch), ref)
+
+
+def test_per_epoch_matches_a_scheduler_stepped_per_epoch() -> None:
+    ref = _torch_lrs_per_epoch(
+        0.3, lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5), 9, 7
+    )
+    _assert_close(_ours(schedules.per_epoch(schedules.step_decay(0.3, 2, gamma=0.5), 7), 63), ref)
+
+
+def test_sequential_of_three_matches_sequential_lr() -> None:
+    def make(o: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        lin = torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=4)
+        cos = torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=10, eta_min=0.01)
+        step = torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5)
+        return torch.optim.lr_scheduler.SequentialLR(o, [lin, cos, step], milestones=[4, 14])
+
+    ref = _torch_lrs(0.5, make, 30)
+    ours = schedules.sequential(
+        [
+            schedules.linear_warmup(0.5, 4, init=0.05),
+            schedules.cosine(0.5, 10, end=0.01),
+            schedules.step_decay(0.5, 3, gamma=0.5),
+        ],
+        milestones=[4, 14],
+    )
+    _assert_close(_ours(ours, 30), ref)
+
+
+def test_sequential_of_one_is_that_schedule() -> None:
+    # Rule 1: the same schedule's operations on the same step.
+    s = schedules.cosine(1.0, 5)
+    assert _ours(schedules.sequential([s], []), 8) == _ours(s, 8)
+
+
+def test_warmup_is_a_sequential_with_a_linear_ramp_to_then_0() -> None:
+    then = schedules.cosine(0.5, 20, end=0.001)
+    a = schedules.warmup(5, then, init=0.1)
+    b = schedules.sequential([schedules.linear_warmup(0.5, 5, init=0.1), then], [5])
+    _assert_close(_ours(a, 30), _ours(b, 30))
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "words"),
+    [
+        (lambda: schedules.per_epoch(schedules.constant(1.0), 0), ValueError, ["steps_per_epoch"]),
+        (lambda: schedules.per_epoch(0.1, 3), TypeError, ["callable"]),
+        (lambda: schedules.sequential([], []), ValueError, ["at least one"]),
+        (lambda: schedules.sequential(schedules.constant(1.0), []), TypeError, ["a list"]),
+        (
+            lambda: schedules.sequential([schedules.constant(1.0), 0.5], [3]),
+            TypeError,
+            ["schedules[1]", "0.5"],
+        ),
+        (
+            lambda: schedules.sequential([schedules.constant(1.0)] * 2, []),
+            ValueError,
+            ["2 schedules need 1 milestones", "[]"],
+        ),
+        (
+            lambda: schedules.sequential([schedules.constant(1.0)] * 3, [5, 5]),
+            ValueError,
+            ["increase strictly", "[5, 5]"],
+        ),
+        (
+            lambda: schedules.sequential([schedules.constant(1.0)] * 2, [0]),
+            ValueError,
+            ["milestones[0]", "0"],
+        ),
+        (
+            lambda: schedules.sequential([schedules.constant(1.0)] * 2, [2.5]),
+            TypeError,
+            ["milestones[0]", "2.5"],
+        ),
+    ],
+)
+def test_combinator_bad_arguments(
+    build: Callable[[], object], error: type[Exception], words: list[str]
+) -> None:
+    with pytest.raises(error) as info:
+        build()
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+NEW_SCHEDULES = {
+    "hf_linear": lambda: schedules.hf("linear", 0.1, warmup_steps=5, total_steps=30),
+    "hf_cosine": lambda: schedules.hf("cosine", 0.1, warmup_steps=5, total_steps=30),
+    "hf_cosine_with_restarts": lambda: schedules.hf(
+        "cosine_with_restarts", 0.1, warmup_steps=5, total_steps=30, num_cycles=3
+    ),
+    "hf_polynomial": lambda: schedules.hf(
+        "polynomial", 0.1, warmup_steps=5, total_steps=30, power=2.0
+    ),
+    "hf_constant_with_warmup": lambda: schedules.hf("constant_with_warmup", 0.1, warmup_steps=5),
+    "hf_inverse_sqrt": lambda: schedules.hf("inverse_sqrt", 0.1, warmup_steps=5, timescale=3),
+    "hf_wsd": lambda: schedules.hf(
+        "warmup_stable_decay",
+        0.1,
+        warmup_steps=5,
+        total_steps=30,
+        num_decay_steps=10,
+        warmup_type="1-sqrt",
+        min_lr_ratio=0.1,
+    ),
+    "hf_cosine_warmup_with_min_lr": lambda: schedules.hf(
+        "cosine_warmup_with_min_lr", 0.1, warmup_steps=5, total_steps=30, min_lr_rate=0.1
+    ),
+    "timm_cosine": lambda: schedules.timm_cosine(
+        0.1, 10, cycle_mul=2.0, cycle_limit=3, cycle_decay=0.5, warmup_t=3, k_decay=1.5
+    ),
+    "timm_cosine_restarts": lambda: schedules.timm_cosine(
+        0.1, 10, cycle_limit=2, warmup_t=3, warmup_prefix=True
+    ),
+    "per_epoch_sequential": lambda: schedules.per_epoch(
+        schedules.sequential(
+            [schedules.linear_warmup(0.1, 2, init=0.001), schedules.cosine(0.1, 5)], [2]
+        ),
+        4,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NEW_SCHEDULES))
+def test_new_schedules_compile_once_and_equal_eager(name: str) -> None:
+    sched = NEW_SCHEDULES[name]()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(sched, fullgraph=True, backend="aot_eager")
+    for k in range(45):
+        step = torch.tensor(k)
+        # Rule 1: aot_eager runs the eager schedule's operations, in the same order.
+        assert float(compiled(step)) == float(sched(step)), k
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.parametrize("name", ["hf_wsd", "timm_cosine", "per_epoch_sequential"])
+def test_new_schedules_drive_a_compiled_step_without_recompiling(name: str) -> None:
+    from reference import LayerNormNet, batches, mse
+
+    import fasttorch
+
+    sched = NEW_SCHEDULES[name]()
+    torch.manual_seed(0)
+    state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.adamw(sched))
+    step = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    data = batches(1, 8)[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for k in range(12):
+            state, metrics = step(state, data)
+            # Rule 1: the step evaluates the same schedule on the same step, then casts.
+            assert torch.equal(metrics["lr"], sched(torch.tensor(k)).to(metrics["lr"].dtype)), k
+    assert not [w for w in caught if issubclass(w.category, fasttorch.RecompileWarning)]

@@ -1,71 +1,31 @@
-"""Learning-rate schedules evaluated in-graph from the step tensor.
+"""The usual shapes, each equal to its ``torch.optim.lr_scheduler`` class.
 
-A schedule is any callable ``step -> lr`` taking the int64 0-d step counter and
-returning a 0-d float64 tensor on the same device. The ones here are frozen attrs
-objects built (and validated) outside the step; calling one uses torch ops only (no
-``.item()``, no Python branching on the step), so a compiled step evaluates it in its
-graph and never recompiles as the step advances. Each matches a
-``torch.optim.lr_scheduler`` class where torch has one: ``schedule(k)`` is the rate the
-torch scheduler gives the optimizer for its ``k``-th ``opt.step()`` (0-indexed).
+``schedule(k)`` is the rate the torch scheduler gives the optimizer for its ``k``-th
+``opt.step()`` (0-indexed).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
 
 import attrs
 import torch
 from torch import Tensor
 
-from fasttorch import _checks
+from fasttorch.schedules._base import F64, count, number, steps
 
 __all__ = [
     "Constant",
     "Cosine",
     "LinearWarmup",
     "OneCycle",
-    "Schedule",
     "StepDecay",
-    "Warmup",
     "constant",
     "cosine",
     "linear_warmup",
     "one_cycle",
     "step_decay",
-    "warmup",
 ]
-
-Schedule = Callable[[Tensor], Tensor]
-"""Any callable from the int64 0-d step tensor to a 0-d float64 tensor."""
-
-_F64 = torch.float64
-
-
-_Validator = Callable[[object, "attrs.Attribute[Any]", Any], None]
-
-
-def _number(name: str, *, low: float | None = None, strict: bool = False) -> _Validator:
-    """An attrs validator: a finite real number, optionally ``> low`` / ``>= low``."""
-
-    def check(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
-        _checks.real(type(inst).__name__, name, value, low=low, low_open=strict)
-
-    return check
-
-
-def _count(name: str) -> _Validator:
-    """An attrs validator: a positive int (a number of steps)."""
-
-    def check(inst: object, attr: attrs.Attribute[Any], value: Any) -> None:
-        _checks.count(type(inst).__name__, name, value, hint="A number of steps: a positive int.")
-
-    return check
-
-
-def _steps(step: Tensor) -> Tensor:
-    return step.to(_F64)
 
 
 @attrs.frozen
@@ -77,10 +37,10 @@ class Constant:
         tensor(0.5000, dtype=torch.float64)
     """
 
-    value: float = attrs.field(validator=_number("value", low=0.0))
+    value: float = attrs.field(validator=number("value", low=0.0))
 
     def __call__(self, step: Tensor) -> Tensor:
-        return torch.full((), self.value, dtype=_F64, device=step.device)
+        return torch.full((), self.value, dtype=F64, device=step.device)
 
 
 @attrs.frozen
@@ -92,12 +52,12 @@ class LinearWarmup:
         tensor(0.2500, dtype=torch.float64)
     """
 
-    peak: float = attrs.field(validator=_number("peak", low=0.0))
-    warmup_steps: int = attrs.field(validator=_count("warmup_steps"))
-    init: float = attrs.field(default=0.0, validator=_number("init", low=0.0))
+    peak: float = attrs.field(validator=number("peak", low=0.0))
+    warmup_steps: int = attrs.field(validator=count("warmup_steps"))
+    init: float = attrs.field(default=0.0, validator=number("init", low=0.0))
 
     def __call__(self, step: Tensor) -> Tensor:
-        frac = _steps(step).clamp(0.0, self.warmup_steps) / self.warmup_steps
+        frac = steps(step).clamp(0.0, self.warmup_steps) / self.warmup_steps
         return self.init + (self.peak - self.init) * frac
 
 
@@ -110,12 +70,12 @@ class Cosine:
         tensor(0.5000, dtype=torch.float64)
     """
 
-    peak: float = attrs.field(validator=_number("peak", low=0.0))
-    decay_steps: int = attrs.field(validator=_count("decay_steps"))
-    end: float = attrs.field(default=0.0, validator=_number("end", low=0.0))
+    peak: float = attrs.field(validator=number("peak", low=0.0))
+    decay_steps: int = attrs.field(validator=count("decay_steps"))
+    end: float = attrs.field(default=0.0, validator=number("end", low=0.0))
 
     def __call__(self, step: Tensor) -> Tensor:
-        s = _steps(step).clamp(0.0, self.decay_steps)
+        s = steps(step).clamp(0.0, self.decay_steps)
         return (
             self.end + (self.peak - self.end) * (1 + torch.cos(math.pi * s / self.decay_steps)) / 2
         )
@@ -130,14 +90,14 @@ class OneCycle:
         tensor(1., dtype=torch.float64)
     """
 
-    max_lr: float = attrs.field(validator=_number("max_lr", low=0.0))
-    total_steps: int = attrs.field(validator=_count("total_steps"))
-    pct_start: float = attrs.field(default=0.3, validator=_number("pct_start", low=0.0))
+    max_lr: float = attrs.field(validator=number("max_lr", low=0.0))
+    total_steps: int = attrs.field(validator=count("total_steps"))
+    pct_start: float = attrs.field(default=0.3, validator=number("pct_start", low=0.0))
     div_factor: float = attrs.field(
-        default=25.0, validator=_number("div_factor", low=0.0, strict=True)
+        default=25.0, validator=number("div_factor", low=0.0, strict=True)
     )
     final_div_factor: float = attrs.field(
-        default=1e4, validator=_number("final_div_factor", low=0.0, strict=True)
+        default=1e4, validator=number("final_div_factor", low=0.0, strict=True)
     )
 
     def __attrs_post_init__(self) -> None:
@@ -156,7 +116,7 @@ class OneCycle:
         final = initial / self.final_div_factor
         end1 = float(self.pct_start * self.total_steps) - 1
         end2 = float(self.total_steps - 1)
-        s = _steps(step).clamp(0.0, end2)
+        s = steps(step).clamp(0.0, end2)
         up = _anneal_cos(initial, self.max_lr, (s / end1).clamp(max=1.0))
         down = _anneal_cos(self.max_lr, final, ((s - end1) / (end2 - end1)).clamp(min=0.0))
         return torch.where(s <= end1, up, down)
@@ -176,35 +136,13 @@ class StepDecay:
         tensor(0.2500, dtype=torch.float64)
     """
 
-    init: float = attrs.field(validator=_number("init", low=0.0))
-    step_size: int = attrs.field(validator=_count("step_size"))
-    gamma: float = attrs.field(default=0.1, validator=_number("gamma", low=0.0))
+    init: float = attrs.field(validator=number("init", low=0.0))
+    step_size: int = attrs.field(validator=count("step_size"))
+    gamma: float = attrs.field(default=0.1, validator=number("gamma", low=0.0))
 
     def __call__(self, step: Tensor) -> Tensor:
-        k = torch.div(step.clamp(min=0), self.step_size, rounding_mode="floor").to(_F64)
+        k = torch.div(step.clamp(min=0), self.step_size, rounding_mode="floor").to(F64)
         return self.init * torch.pow(self.gamma, k)
-
-
-@attrs.frozen
-class Warmup:
-    """The schedule built by :func:`warmup`.
-
-    Example:
-        >>> Warmup(2, Constant(1.0))(torch.tensor(1))
-        tensor(0.5000, dtype=torch.float64)
-    """
-
-    warmup_steps: int = attrs.field(validator=_count("warmup_steps"))
-    then: Schedule = attrs.field(validator=attrs.validators.is_callable())
-    init: float = attrs.field(default=0.0, validator=_number("init", low=0.0))
-
-    def __call__(self, step: Tensor) -> Tensor:
-        start = self.then(torch.zeros_like(step)).to(_F64)
-        frac = _steps(step).clamp(0.0, self.warmup_steps) / self.warmup_steps
-        warm = self.init + (start - self.init) * frac
-        # clamp: `then` is evaluated on every step (no branching), keep its input valid.
-        after = self.then((step - self.warmup_steps).clamp(min=0)).to(_F64)
-        return torch.where(step < self.warmup_steps, warm, after)
 
 
 def constant(value: float) -> Constant:
@@ -333,31 +271,3 @@ def step_decay(init: float, step_size: int, *, gamma: float = 0.1) -> StepDecay:
         [1.0, 1.0, 0.5, 0.5, 0.25]
     """
     return StepDecay(init, step_size, gamma)
-
-
-def warmup(warmup_steps: int, then: Schedule, *, init: float = 0.0) -> Warmup:
-    """Linear warm-up from ``init`` to ``then(0)``, followed by ``then`` shifted.
-
-    ``lr(k) = init + (then(0) - init) * k / warmup_steps`` for ``k < warmup_steps``,
-    else ``then(k - warmup_steps)``; matches ``SequentialLR(opt, [LinearLR(opt,
-    start_factor, total_iters=warmup_steps), <then's scheduler>],
-    milestones=[warmup_steps])``. With the default ``init=0`` the first update does not
-    move the parameters; nanoGPT's ramp ``peak * (k + 1) / (warmup_steps + 1)`` is
-    ``init=then(0) / (warmup_steps + 1)`` exactly.
-
-    Args:
-        warmup_steps: length of the warm-up, an int >= 1.
-        then: the schedule that follows, started at its own step 0.
-        init: the rate at step 0.
-
-    Returns:
-        A :class:`Warmup` schedule.
-
-    Example:
-        >>> import torch
-        >>> from fasttorch import schedules
-        >>> s = schedules.warmup(2, schedules.cosine(1.0, 2))
-        >>> [round(float(s(torch.tensor(k))), 3) for k in range(6)]
-        [0.0, 0.5, 1.0, 0.5, 0.0, 0.0]
-    """
-    return Warmup(warmup_steps, then, init)
