@@ -277,7 +277,8 @@ class _PerMember:
 
 
 class _PerTensor(TorchFunctionMode):
-    """Ops rewritten for vmap inside a member's step: random ops, ``F.layer_norm``.
+    """Ops rewritten for vmap inside a member's step: random ops, ``F.layer_norm``,
+    ``F.linear`` in half precision.
 
     ``rng``: the member's generator state, which its random ops advance (``None``
     where nothing may draw: evaluation and sub-state initialisation).
@@ -297,6 +298,8 @@ class _PerTensor(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.nn.functional.layer_norm:
             return _layer_norm(*args, **kwargs)
+        if func is torch.nn.functional.linear:
+            return _linear(*args, **kwargs)
         if self.rng is not None:
             drawn = _draw(self.rng, func, args, kwargs)
             if drawn is not None:
@@ -364,6 +367,47 @@ def _layer_norm(
     with torch.autocast(x.device.type, enabled=False):
         out = torch.nn.functional.layer_norm(x.to(w.dtype), shape, weight, bias, eps)
     return out.to(x.dtype)
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _half_dtype(*tensors: torch.Tensor) -> torch.dtype | None:
+    """The half dtype an op on ``tensors`` computes in (autocast's, or theirs), or ``None``."""
+    device = tensors[0].device.type
+    if not all(t.is_floating_point() and t.dtype != torch.float64 for t in tensors):
+        return None
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return dtype if dtype in _HALF else None
+    dtype = tensors[0].dtype
+    return dtype if dtype in _HALF and all(t.dtype == dtype for t in tensors) else None
+
+
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear`` in half precision rounded once, as the unbatched kernel rounds.
+
+    A single model's half-precision linear is one ``addmm``: the products summed in
+    float32 with the bias, rounded once to the half dtype. Under ``torch.func.vmap`` the
+    per-member weights make it a batched product (rounded to the half dtype) and a
+    separate bias add (rounded again; under autocast the add even promotes to float32,
+    and the next op rounds it). Here the bias is one more column of the weight, against
+    a column of ones in the input: one batched product, whose float32 sum includes the
+    bias, rounded once. The same arithmetic as ``addmm`` (a product of two half values
+    is exact in float32), in another order of summation (rule 2 of tests/tolerance.py);
+    its backward gives the bias gradient as that product's column, also summed in
+    float32 and rounded once, as the unbatched ``grad.sum(0)``.
+    """
+    dtype = None if bias is None else _half_dtype(x, weight, bias)
+    if bias is None or dtype is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    ones = torch.ones(*x.shape[:-1], 1, dtype=dtype, device=x.device)
+    with torch.autocast(x.device.type, enabled=False):
+        xs = torch.cat([x.to(dtype), ones], dim=-1)
+        ws = torch.cat([weight.to(dtype), bias.to(dtype).unsqueeze(-1)], dim=-1)
+        return torch.nn.functional.linear(xs, ws)
 
 
 def _per_tensor(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
