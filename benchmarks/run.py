@@ -728,6 +728,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(args, results, device, wall_s, env)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(keep_section(args.out, text))
+    _quote_in_readme(args)
     if args.json:
         raw = [{k: v for k, v in b.items() if k != "analysis"} for b in results]
         saved = {"device": device, "wall_s": wall_s, "environment": env, "results": raw}
@@ -735,6 +736,18 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     print(f"wrote {args.out}")
     return 0
+
+
+def _quote_in_readme(args: argparse.Namespace) -> None:
+    """Rewrite the README's speed table from docs/benchmarks.md (``benchmarks.readme``),
+    when this run wrote that document (not another ``--out``) and meant its numbers
+    (not ``--smoke``)."""
+    if args.smoke or args.out.resolve() != DOC.resolve():
+        return
+    from benchmarks import readme
+
+    readme.write(DOC)
+    print(f"wrote the speed table of {readme.README}")
 
 
 def _rerender(args: argparse.Namespace) -> int:
@@ -755,6 +768,7 @@ def _rerender(args: argparse.Namespace) -> int:
     text = render(args, results, saved["device"], saved["wall_s"], env)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(keep_section(args.out, text))
+    _quote_in_readme(args)
     print(f"wrote {args.out} from {args.from_json}")
     return 0
 

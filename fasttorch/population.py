@@ -259,6 +259,11 @@ def _stack(states: list[TrainState]) -> TrainState:
 
 
 def _with_hyper(opt_state: Any, hyper: Mapping[str, Sequence[float]], n: int) -> Any:
+    if not isinstance(hyper, Mapping):
+        raise _checks.ArgumentTypeError(
+            f"create_population: hyper must map hyperparameter names to one value per "
+            f"member, got {type(hyper).__name__}; for example hyper={{'lr': [1e-3] * {n}}}"
+        )
     values = dict(opt_state.hyper)
     for name, given in hyper.items():
         if name not in values:
@@ -267,7 +272,7 @@ def _with_hyper(opt_state: Any, hyper: Mapping[str, Sequence[float]], n: int) ->
                 f"{sorted(values)} (a scheduled lr is not a hyperparameter tensor: give "
                 "each member a float lr, or scale a shared schedule by a per-member factor)"
             )
-        vals = [float(v) for v in given]
+        vals = _per_member_values(name, given, n)
         if len(vals) != n:
             raise ValueError(
                 f"create_population: hyper[{name!r}] has {len(vals)} values for {n} members"
@@ -277,6 +282,30 @@ def _with_hyper(opt_state: Any, hyper: Mapping[str, Sequence[float]], n: int) ->
         old = values[name]
         values[name] = torch.tensor(vals, dtype=old.dtype, device=old.device)
     return opt_state.replace(hyper=values)
+
+
+def _per_member_values(name: str, given: Any, n: int) -> list[float]:
+    """``hyper[name]`` as ``n`` floats: a list, a tuple or a 1-d tensor of numbers."""
+    if isinstance(given, torch.Tensor):
+        if given.dim() == 1 and given.dtype != torch.bool and not given.is_complex():
+            return [float(v) for v in given.tolist()]
+    elif (
+        isinstance(given, Sequence)
+        and not isinstance(given, (str, bytes))
+        and all(_checks.is_real(v) for v in given)
+    ):
+        return [float(v) for v in given]
+    shown = (
+        f"a tensor of shape {tuple(given.shape)}"
+        if isinstance(given, torch.Tensor)
+        else repr(given)
+    )
+    raise _checks.ArgumentTypeError(
+        f"create_population: hyper[{name!r}] is {shown}; it takes one value per member, "
+        f"{n} numbers: hyper={{{name!r}: [v0, ..., v{n - 1}]}} (for one value shared by "
+        f"every member, give it to the optimizer, as in fasttorch.optim.adamw({name}=...), "
+        f"and leave {name!r} out of hyper)"
+    )
 
 
 def population_size(state: TrainState) -> int:
@@ -291,8 +320,10 @@ def population_size(state: TrainState) -> int:
     return int(members.index.shape[0])
 
 
-def member(state: TrainState, i: int) -> TrainState:
+def member(state: TrainState, i: int | torch.Tensor) -> TrainState:
     """Member ``i`` of population ``state`` as a single model's ``TrainState`` (copies).
+
+    ``i`` is an int or a 0-d integer tensor (``metrics["loss"].argmin()``).
 
     Its tensors are copies of the member's slices (its own step counter and generator
     state included), so it trains on with any plain step, alone, as its independent
@@ -307,9 +338,33 @@ def member(state: TrainState, i: int) -> TrainState:
         ((1, 3), 0)
     """
     n = population_size(state)
-    if not _checks.is_int(i) or not -n <= i < n:
-        raise IndexError(f"member: index {i!r} out of range for a population of {n}")
-    return member_view(state, i, copy=True)
+    return member_view(state, member_index(i, n, "member"), copy=True)
+
+
+def member_index(i: Any, n: int, api: str) -> int:
+    """``i`` as a Python int in ``[-n, n)``: an int, or a 0-d integer tensor (what
+    ``torch.argmin`` returns, read on the host here, outside any step)."""
+    if isinstance(i, torch.Tensor):
+        if i.dim() != 0 or i.is_floating_point() or i.is_complex() or i.dtype == torch.bool:
+            raise _checks.ArgumentTypeError(
+                f"{api}: the index is a tensor of shape {tuple(i.shape)} and dtype {i.dtype}; "
+                "give one member's index: an int, or a 0-d integer tensor such as "
+                "metrics['loss'].argmin()"
+            )
+        index = int(i)
+    elif _checks.is_int(i):
+        index = i
+    else:
+        raise _checks.ArgumentTypeError(
+            f"{api}: the index is {i!r} of type {type(i).__name__}; give one member's "
+            "index: an int, or a 0-d integer tensor such as metrics['loss'].argmin()"
+        )
+    if not -n <= index < n:
+        raise IndexError(
+            f"{api}: index {index} is out of range for a population of {n} members; valid "
+            f"indices are 0 to {n - 1} (or -{n} to -1 from the end)"
+        )
+    return index
 
 
 def member_view(state: TrainState, i: int, *, copy: bool = False) -> TrainState:
@@ -323,7 +378,7 @@ def member_view(state: TrainState, i: int, *, copy: bool = False) -> TrainState:
     return out
 
 
-def member_state_dict(state: TrainState, i: int) -> dict[str, torch.Tensor]:
+def member_state_dict(state: TrainState, i: int | torch.Tensor) -> dict[str, torch.Tensor]:
     """Member ``i``'s parameters and buffers keyed like ``module.state_dict()``.
 
     Load it into a plain ``nn.Module`` of the same architecture with

@@ -425,7 +425,20 @@ def _stacked(state: TrainState) -> bool:
     return any(getattr(s, "stacks_members", False) for s in state.substates.values())
 
 
+def _refuse_population(step: Step, state: TrainState) -> None:
+    """Raise if a step that trains one model is given a population (stacked members)."""
+    if _stacked(state) and "vmapped" not in step.transforms:
+        n = state.step.shape[0] if state.step.dim() else "n"
+        raise ValueError(
+            f"step {step.name!r} trains one model, but the state is a population of {n} "
+            f"members (every tensor stacked along a leading dimension of {n}). Wrap the "
+            f"step: fasttorch.vmapped(step, {n}) trains every member in one call; or train "
+            "one member alone: fasttorch.member(population, i)"
+        )
+
+
 def _run_locked(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+    _refuse_population(step, state)
     for hook in step.hooks:
         hook.before(step, state)
     device = state.device

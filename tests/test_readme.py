@@ -79,3 +79,19 @@ def test_the_examples_readme_gives_the_same_main_command():
     assert f"```bash\n{main}\n```" in examples
     first_screen = "\n".join(README.splitlines()[:30])  # what a newcomer sees first
     assert main in first_screen and "runs/charlm/loss.svg" in README
+
+
+def test_the_speed_table_quotes_docs_benchmarks():
+    """The README's speed table is what ``python -m benchmarks.readme`` writes from
+    docs/benchmarks.md (``benchmarks.run`` calls it after each full run): its numbers
+    are the document's, never typed by hand."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import readme
+
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    body = README.split(readme.BEGIN, 1)[1].split(readme.END, 1)[0]
+    assert body.strip() == readme.render(doc).strip(), "run python -m benchmarks.readme"
+    for model in ("M1", "M3"):  # the F1 speed-up of each model is quoted from its table
+        table = doc.split(f"## {model} (bf16)", 1)[1].split("\n## ", 1)[0]
+        f1 = re.search(r"^\| F1 \| [^|]+\| [^|]+\| ([\d.]+) \[", table, re.M)
+        assert f1 and f"| {f1.group(1)}x | " in body.split(f"| {model}:", 1)[1].split("\n")[0]

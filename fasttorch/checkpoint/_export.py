@@ -139,6 +139,15 @@ def export_safetensors(
     refuse_models(source, api, "export one member: export_safetensors(state[name], file)")
     if isinstance(source, TrainState):
         check_alive(source, api)
+        if any(getattr(v, "stacks_members", False) for v in source.substates.values()):
+            n = source.step.shape[0]
+            raise ValueError(
+                f"{api}: the state is a population of {n} members (every tensor stacked "
+                f"along a leading dimension of {n}), and a safetensors file holds one "
+                "model's weights, shaped as model.state_dict(). Export one member: "
+                "export_safetensors(fasttorch.member(population, i), file), for example "
+                "the best, i = metrics['loss'].argmin()"
+            )
         if is_sharded(source.module):
             raise ValueError(
                 f"{api}: the state is sharded (FSDP2), so it holds only this rank's "

@@ -101,6 +101,7 @@ def vmapped(step: Step, n: int, *, in_dims: InDims = None) -> Step:
     check_wrap(step, "vmapped")
     _compat.register_foreach_batching(_per_tensor)
     _checks.count("vmapped", "n", n)
+    check_in_dims(in_dims, "vmapped")
     if step.window.reduce is not None or "sync_on_last" in step.transforms:
         raise ValueError(
             "vmapped cannot wrap a step with sync_on_last: its reduction across ranks "
@@ -146,9 +147,11 @@ def vmapped_eval(
     if not callable(fn):
         raise TypeError(f"vmapped_eval expects an evaluation function, got {type(fn).__name__}")
     _checks.count("vmapped_eval", "n", n)
+    check_in_dims(in_dims, "vmapped_eval")
 
     def evaluate(state: TrainState, batch: Batch) -> Metrics:
         _check_state(state, n)
+        check_batch_dims(in_dims, batch, n, "vmapped_eval")
 
         def one(member_state: TrainState, b: Batch) -> Metrics:
             with _PerTensor(None):
@@ -169,6 +172,7 @@ def _run_population(
     step: Step, state: TrainState, batch: Batch, *, inner: Step, n: int, in_dims: InDims
 ) -> tuple[TrainState, Metrics]:
     _check_state(state, n)
+    check_batch_dims(in_dims, batch, n, "vmapped")
     if not step.is_eager and any(isinstance(v, AccumState) for v in state.substates.values()):
         raise ValueError(
             "compiled(vmapped(...)) cannot compile grad_accumulate(..., across_calls=True): "
@@ -242,6 +246,78 @@ def _vmapped_init(make: Callable[[TrainState], Any], state: TrainState) -> Any:
     return pytree.tree_map(lambda t: t.contiguous() if isinstance(t, torch.Tensor) else t, out)
 
 
+_IN_DIMS_RULE = (
+    "in_dims says where each member's batch is: None (one batch shared by every member), "
+    "an int d (member i's batch is every tensor's index i along dimension d, usually 0), "
+    "or a tuple/list/dict of those shaped like the batch"
+)
+
+
+def check_in_dims(in_dims: InDims, api: str) -> None:
+    """Raise (at wrap time) unless ``in_dims`` is None, an int, or a container of those."""
+    if in_dims is None or _checks.is_int(in_dims):
+        return
+    if isinstance(in_dims, (tuple, list)):
+        for d in in_dims:
+            check_in_dims(d, api)
+        return
+    if isinstance(in_dims, dict):
+        for d in in_dims.values():
+            check_in_dims(d, api)
+        return
+    raise _checks.ArgumentTypeError(
+        f"{api}: in_dims={in_dims!r} ({type(in_dims).__name__}); {_IN_DIMS_RULE}"
+    )
+
+
+def check_batch_dims(in_dims: InDims, batch: Batch, n: int, api: str) -> None:
+    """Raise (at the call, before vmap) if ``in_dims`` does not fit ``batch``: a structure
+    that differs from the batch's, or a mapped tensor without ``n`` members at its dim."""
+
+    def walk(dims: InDims, b: Any, where: str) -> None:
+        if dims is None:
+            return
+        if isinstance(dims, (tuple, list, dict)):
+            same = (
+                isinstance(b, dict) and set(b) == set(dims)
+                if isinstance(dims, dict)
+                else isinstance(b, (tuple, list)) and len(b) == len(dims)
+            )
+            if not same:
+                raise ValueError(
+                    f"{api}: in_dims{where or ''}={dims!r} does not match the batch{where} "
+                    f"({_describe(b)}); {_IN_DIMS_RULE}"
+                )
+            keys = dims.keys() if isinstance(dims, dict) else range(len(dims))
+            for k in keys:
+                walk(dims[k], b[k], f"{where}[{k!r}]")
+            return
+        for path, t in pytree.tree_flatten_with_path(b)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            at = f"batch{where}{pytree.keystr(path)}"
+            if not -t.dim() <= dims < t.dim() or t.shape[dims] != n:
+                size = f"of size {t.shape[dims]}" if -t.dim() <= dims < t.dim() else "absent"
+                raise ValueError(
+                    f"{api}: in_dims={in_dims!r} maps {at} (shape {tuple(t.shape)}) along "
+                    f"dimension {dims}, {size}, but the population has {n} members. With "
+                    f"in_dims={dims} every mapped tensor needs {n} entries along dimension "
+                    f"{dims}, member i's at index i (stack the members' batches: "
+                    "torch.stack(batches)); for one batch shared by every member pass "
+                    "in_dims=None"
+                )
+
+    walk(in_dims, batch, "")
+
+
+def _describe(b: Any) -> str:
+    if isinstance(b, dict):
+        return f"a dict with keys {sorted(map(str, b))}"
+    if isinstance(b, (tuple, list)):
+        return f"a {type(b).__name__} of {len(b)}"
+    return type(b).__name__
+
+
 def _check_state(state: TrainState, n: int) -> None:
     members = state.substates.get(KEY)
     if not isinstance(members, Members):
@@ -277,7 +353,8 @@ class _PerMember:
 
 
 class _PerTensor(TorchFunctionMode):
-    """Ops rewritten for vmap inside a member's step: random ops, ``F.layer_norm``.
+    """Ops rewritten for vmap inside a member's step: random ops, ``F.layer_norm``,
+    ``F.linear`` in half precision.
 
     ``rng``: the member's generator state, which its random ops advance (``None``
     where nothing may draw: evaluation and sub-state initialisation).
@@ -297,6 +374,8 @@ class _PerTensor(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.nn.functional.layer_norm:
             return _layer_norm(*args, **kwargs)
+        if func is torch.nn.functional.linear:
+            return _linear(*args, **kwargs)
         if self.rng is not None:
             drawn = _draw(self.rng, func, args, kwargs)
             if drawn is not None:
@@ -364,6 +443,47 @@ def _layer_norm(
     with torch.autocast(x.device.type, enabled=False):
         out = torch.nn.functional.layer_norm(x.to(w.dtype), shape, weight, bias, eps)
     return out.to(x.dtype)
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _half_dtype(*tensors: torch.Tensor) -> torch.dtype | None:
+    """The half dtype an op on ``tensors`` computes in (autocast's, or theirs), or ``None``."""
+    device = tensors[0].device.type
+    if not all(t.is_floating_point() and t.dtype != torch.float64 for t in tensors):
+        return None
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return dtype if dtype in _HALF else None
+    dtype = tensors[0].dtype
+    return dtype if dtype in _HALF and all(t.dtype == dtype for t in tensors) else None
+
+
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear`` in half precision rounded once, as the unbatched kernel rounds.
+
+    A single model's half-precision linear is one ``addmm``: the products summed in
+    float32 with the bias, rounded once to the half dtype. Under ``torch.func.vmap`` the
+    per-member weights make it a batched product (rounded to the half dtype) and a
+    separate bias add (rounded again; under autocast the add even promotes to float32,
+    and the next op rounds it). Here the bias is one more column of the weight, against
+    a column of ones in the input: one batched product, whose float32 sum includes the
+    bias, rounded once. The same arithmetic as ``addmm`` (a product of two half values
+    is exact in float32), in another order of summation (rule 2 of tests/tolerance.py);
+    its backward gives the bias gradient as that product's column, also summed in
+    float32 and rounded once, as the unbatched ``grad.sum(0)``.
+    """
+    dtype = None if bias is None else _half_dtype(x, weight, bias)
+    if bias is None or dtype is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    ones = torch.ones(*x.shape[:-1], 1, dtype=dtype, device=x.device)
+    with torch.autocast(x.device.type, enabled=False):
+        xs = torch.cat([x.to(dtype), ones], dim=-1)
+        ws = torch.cat([weight.to(dtype), bias.to(dtype).unsqueeze(-1)], dim=-1)
+        return torch.nn.functional.linear(xs, ws)
 
 
 def _per_tensor(op: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
