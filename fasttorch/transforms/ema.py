@@ -20,7 +20,7 @@ KEY = "ema"
 """The sub-state key of the average (``state.substates[KEY]``)."""
 
 Buffers = Literal["average", "copy"] | None
-_BUFFERS = ("average", "copy", None)
+_BUFFERS: tuple[Buffers, ...] = ("average", "copy", None)
 
 
 class EmaState(struct.Record):
