@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from fasttorch import struct
+from fasttorch._checks import warn_once
 from fasttorch.phases import Batch, LossFn, LossPhase, Metrics, Tensors
 from fasttorch.state import TrainState, check_alive, evaluating, is_sharded, reshard
 from fasttorch.steps import Step
@@ -39,20 +40,24 @@ def eval_step(step_or_loss_fn: Step | LossFn, *, use_ema: bool = False) -> EvalF
 
         model.eval()
         with torch.no_grad(), torch.autocast(device_type, dtype):  # as in training
-            loss = loss_fn(model, batch)  # or ema_model with use_ema=True
+            loss = loss_fn(model, batch)  # or ema_model (its buffers too) with use_ema=True
         model.train()
 
     Args:
         step_or_loss_fn: a :class:`fasttorch.Step` (uncompiled: compile the
             evaluation itself), or a loss function ``(apply, batch) -> loss``.
         use_ema: evaluate the averaged parameters of ``fasttorch.ema`` (from
-            ``state.substates["ema"]``) instead of ``state.params``: those of the
-            sub-state whose record declares ``eval_params``
-            (:mod:`fasttorch.substates`), so another transform's average works the
-            same way. On a state
-            sharded with FSDP2 the averages' shards are copied into the module's
-            own for the forward and the parameters' copied back after it (bitwise),
-            which takes one more copy of this rank's parameter shards.
+            ``state.substates["ema"]``) instead of ``state.params``, with the
+            buffers the average keeps (BatchNorm running statistics averaged or
+            copied, ``ema(..., buffers=...)``) in place of the live ones: those of
+            the sub-state whose record declares ``eval_params`` (and
+            ``eval_buffers``, :mod:`fasttorch.substates`), so another transform's
+            average works the same way. An average that keeps none of the
+            module's persistent floating buffers is evaluated with the live ones,
+            and the first eager call warns once, saying what to set. On a state
+            sharded with FSDP2 the averages' shards (and buffers) are copied into
+            the module's own for the forward and the state's copied back after it
+            (bitwise), which takes one more copy of this rank's parameter shards.
 
     Returns:
         The evaluation function, named after the step.
@@ -94,19 +99,26 @@ def eval_step(step_or_loss_fn: Step | LossFn, *, use_ema: bool = False) -> EvalF
             f"got {type(step_or_loss_fn).__name__}"
         )
 
+    checked: list[bool] = []  # the live-buffers warning: judged on the first eager call
+
     def evaluate(state: TrainState, batch: Batch) -> Metrics:
-        if not torch.compiler.is_compiling():
+        eager = not torch.compiler.is_compiling()
+        if eager:
             check_alive(state, f"eval_step({name})")
-        params = state.params
+        params, buffers = state.params, state.buffers
         if use_ema:
-            params = _averages(state, name)
+            params, kept = _averages(state, name)
+            if eager and not checked and len(kept) < len(buffers):
+                checked.append(True)
+                _warn_live_buffers(state, kept, name)
+            buffers = {**buffers, **kept}
         module = state.module
         with evaluating(module), torch.no_grad():
-            if use_ema and not torch.compiler.is_compiling() and is_sharded(module):
-                with _averages_in_shards(state, params):
+            if use_ema and eager and is_sharded(module):
+                with _averages_in_shards(state, params, kept):
                     out = loss(state, state.params, state.buffers, batch)
             else:
-                out = loss(state, params, state.buffers, batch)
+                out = loss(state, params, buffers, batch)
         metrics: Metrics = {"loss": out.value, "weight": out.weight}
         if out.aux is not None:
             metrics["aux"] = out.aux
@@ -116,8 +128,9 @@ def eval_step(step_or_loss_fn: Step | LossFn, *, use_ema: bool = False) -> EvalF
     return evaluate
 
 
-def _averages(state: TrainState, name: str) -> Tensors:
-    """The parameters the state's one sub-state with ``eval_params`` holds (the EMA's)."""
+def _averages(state: TrainState, name: str) -> tuple[Tensors, Tensors]:
+    """The parameters and buffers the state's one sub-state with ``eval_params`` holds
+    (the EMA's); its buffers are those of its ``eval_buffers`` field, else none."""
     found = eval_params(state.substates)
     if len(found) != 1:
         raise ValueError(
@@ -126,25 +139,50 @@ def _averages(state: TrainState, name: str) -> Tensors:
             + f" (it has {sorted(state.substates)}); train it with a step wrapped in "
             "fasttorch.ema, or call that step's init(state) first"
         )
-    params: Tensors = found[0][1]
-    return params
+    key, params = found[0]
+    field = declares(state.substates[key], "eval_buffers")
+    buffers: Tensors = {} if field is None else getattr(state.substates[key], field)
+    return params, buffers
+
+
+def _warn_live_buffers(state: TrainState, kept: Tensors, name: str) -> None:
+    """Warn once when the average keeps none of the module's persistent floating buffers:
+    the averaged parameters then meet the live BatchNorm statistics (eager calls only)."""
+    own = {k for k, _ in state.module.named_buffers()}
+    live = [
+        k
+        for k in state.module.state_dict(keep_vars=True)
+        if k in own and k not in kept and state.buffers[k].is_floating_point()
+    ]
+    if live:
+        key = eval_params(state.substates)[0][0]
+        warn_once(
+            f"eval_step({name}, use_ema=True): sub-state {key!r} keeps no average of the "
+            f"buffers {', '.join(live[:3])}{', ...' if len(live) > 3 else ''}, so the "
+            "averaged parameters are evaluated with the live ones (BatchNorm statistics "
+            "of the trained parameters, not of the average). Build the step with "
+            "fasttorch.ema(step, decay, buffers='average') (timm ModelEmaV3's default) "
+            "or buffers='copy'; a sub-state of your own declares eval_buffers"
+        )
 
 
 @contextlib.contextmanager
-def _averages_in_shards(state: TrainState, averages: Tensors) -> Iterator[None]:
-    """The EMA's shards in the module's own, the parameters' back afterwards (bitwise).
+def _averages_in_shards(state: TrainState, averages: Tensors, buffers: Tensors) -> Iterator[None]:
+    """The EMA's shards (and buffers) in the module's own, the state's back afterwards
+    (bitwise).
 
     A sharded module runs over its own storage (FSDP2 all-gathers it), which is
-    ``state.params``: the averages are copied in, and the parameters back out even if
-    the forward raised. Its FSDP2 modules are resharded before (a root left unsharded
-    by an earlier forward would not all-gather the averages) and after (so that no
-    later forward reads the averages from an unsharded root).
+    ``state.params`` and ``state.buffers``: the averages are copied in, and the
+    parameters and buffers back out even if the forward raised. Its FSDP2 modules are
+    resharded before (a root left unsharded by an earlier forward would not all-gather
+    the averages) and after (so that no later forward reads the averages from an
+    unsharded root).
     """
     names = list(state.params)
-    shards = [state.params[k] for k in names]
+    shards = [state.params[k] for k in names] + [state.buffers[k] for k in buffers]
     saved = [t.clone() for t in shards]
     reshard(state.module)
-    torch._foreach_copy_(shards, [averages[k] for k in names])
+    torch._foreach_copy_(shards, [averages[k] for k in names] + list(buffers.values()))
     try:
         yield
     finally:

@@ -27,6 +27,9 @@ class attribute           default      meaning
                                        names as ``state.params``) that
                                        ``eval_step(step, use_ema=True)`` evaluates in
                                        place of ``state.params``
+``eval_buffers``          ``None``     the name of its field holding buffers (names of
+                                       ``state.buffers``) that evaluation with
+                                       ``use_ema=True`` reads in place of the live ones
 ``stacks_members``        ``False``    every leaf of the state has one leading dimension,
                                        a population's members
 ``functional_grads``      ``False``    gradients come from ``torch.func.grad``
@@ -160,6 +163,7 @@ _DEFAULTS: dict[str, Any] = {
     "per_rank": False,
     "window_position": None,
     "eval_params": None,
+    "eval_buffers": None,
     "stacks_members": False,
     "functional_grads": False,
     "kept_across_calls": False,

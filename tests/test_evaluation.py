@@ -1,4 +1,5 @@
-"""eval_step and Mean: no autograd, eval mode, training precision, EMA weights, compilable."""
+"""eval_step and Mean: no autograd, eval mode, training precision, EMA weights and
+buffers, compilable."""
 
 from __future__ import annotations
 
@@ -82,6 +83,56 @@ def test_use_ema_evaluates_the_averaged_weights():
     # A loss function works too, once the state holds an average.
     on_ema_fn = eval_step(mse, use_ema=True)(state, b)["loss"]
     torch.testing.assert_close(on_ema_fn, on_ema["loss"], **EXACT)  # rule 1
+
+
+@pytest.mark.parametrize("buffers", ["average", "copy"])
+def test_use_ema_evaluates_the_averaged_buffers_too(buffers):
+    """BatchNorm's running statistics come from the average (averaged, or copied at
+    its updates), not from the live model: evaluating the averaged parameters with
+    the live statistics would mix two models."""
+    torch.manual_seed(0)
+    step = fasttorch.ema(fasttorch.step(mse), 0.5, every=2, buffers=buffers)
+    state = _trained(BatchNormNet(), step, n=4)
+    sub = state.substates["ema"]
+    assert set(sub.buffers) == {k for k, _ in state.module.named_buffers()}
+    b = batches(1, 16, seed=3)[0]
+    on_ema = eval_step(step, use_ema=True)(state, b)["loss"]
+    ref = copy.deepcopy(state.module)
+    ref.load_state_dict({**sub.params, **sub.buffers})
+    with torch.no_grad():
+        torch.testing.assert_close(on_ema, mse(ref.eval(), b), **EXACT)  # rule 1
+    # every=2: the last update of the average was after the third batch, so its
+    # statistics (copied, or averaged from there) are not the live ones.
+    assert not torch.equal(sub.buffers["bn.running_mean"], state.buffers["bn.running_mean"])
+    assert int(sub.buffers["bn.num_batches_tracked"]) == 3  # integer buffers: copied
+    ref.load_state_dict({**sub.params, **state.buffers})
+    with torch.no_grad():
+        assert not torch.equal(on_ema, mse(ref.eval(), b))
+
+
+def test_a_record_of_ones_own_declares_its_buffers():
+    """eval_buffers names the field whose buffers evaluation reads (substates.py)."""
+    from typing import ClassVar
+
+    from fasttorch import struct
+
+    class Frozen(struct.Record):
+        params: dict[str, torch.Tensor]
+        stats: dict[str, torch.Tensor]
+
+        eval_params: ClassVar[str] = "params"
+        eval_buffers: ClassVar[str] = "stats"
+
+    torch.manual_seed(0)
+    state = _trained(BatchNormNet(), fasttorch.step(mse))
+    stats = {k: v + 1.0 if v.is_floating_point() else v for k, v in state.buffers.items()}
+    state = state.with_substate("frozen", Frozen(dict(state.params), stats))
+    b = batches(1, 16, seed=4)[0]
+    got = eval_step(mse, use_ema=True)(state, b)["loss"]
+    ref = copy.deepcopy(state.module)
+    ref.load_state_dict({**state.params, **stats})
+    with torch.no_grad():
+        torch.testing.assert_close(got, mse(ref.eval(), b), **EXACT)  # rule 1
 
 
 def test_wrap_time_and_call_time_errors():
