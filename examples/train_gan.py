@@ -8,7 +8,8 @@ composed step over several models (docs/several_models.md)::
         s = fasttorch.with_amp(s, "bf16")  # or "fp16": a loss scale per optimizer
         return fasttorch.grad_accumulate(s, accum, across_calls=True)
 
-    step = fasttorch.several({"d": member(d_loss), "g": fasttorch.ema(member(g_loss), 0.99)})
+    g = fasttorch.ema(member(g_loss), 0.99, warmup_power=0.75)  # timm's ModelEmaV3 warm-up
+    step = fasttorch.several({"d": member(d_loss), "g": g})
     step = fasttorch.compiled(step)  # with --compile
     for it in range(steps * accum):  # one microbatch of both models per call
         state, metrics = step(state, next_batch())
@@ -130,8 +131,11 @@ def pixel_gap(state: fasttorch.Models, args: argparse.Namespace, device: torch.d
     g = state["g"]
     assert isinstance(g, fasttorch.TrainState)
     with torch.no_grad(), fasttorch.state.evaluating(g.module):
-        params = g.substates["ema"].params if "ema" in g.substates else g.params
-        fake = torch.func.functional_call(g.module, (params, g.buffers), (z,)).float()
+        params, buffers = g.params, g.buffers
+        if "ema" in g.substates:  # the average's parameters with the average's buffers
+            ema = g.substates["ema"]
+            params, buffers = ema.params, {**g.buffers, **ema.buffers}
+        fake = torch.func.functional_call(g.module, (params, buffers), (z,)).float()
     gap = (real.mean(0) - fake.mean(0)).abs().mean() + (real.std(0) - fake.std(0)).abs().mean()
     return float(gap)
 
@@ -151,7 +155,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=16)
     p.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--ema", type=float, default=0.99, help="decay of the generator's EMA")
+    p.add_argument(
+        "--ema",
+        type=float,
+        default=0.99,
+        help="decay of the generator's EMA (warmed up as timm's ModelEmaV3 with power 3/4)",
+    )
     p.add_argument(
         "--compile",
         action="store_true",
@@ -183,7 +192,9 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[Any, fasttorc
             s = fasttorch.with_amp(s, args.precision)
         return fasttorch.grad_accumulate(s, args.accum, across_calls=True)
 
-    step = fasttorch.several({"d": member(d_loss), "g": fasttorch.ema(member(g_loss), args.ema)})
+    step = fasttorch.several(
+        {"d": member(d_loss), "g": fasttorch.ema(member(g_loss), args.ema, warmup_power=0.75)}
+    )
     if args.compile:
         step = fasttorch.compiled(step)
     return step, state
