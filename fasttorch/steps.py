@@ -49,10 +49,12 @@ from fasttorch.phases import (
     global_norm,
     grad_phase,
     loss_phase,
+    reads_no_state_after_inner,
     scale_grads,
     update_phase,
 )
 from fasttorch.state import (
+    AFTER_FAILURE,
     TrainState,
     check_alive,
     check_template,
@@ -125,6 +127,7 @@ class Step:
     window: Window = attrs.field(factory=Window)
     jit: Callable[..., Callable[..., Any]] = eager
     hooks: tuple[CallHook, ...] = ()
+    in_place_update: bool = True
 
     def __attrs_post_init__(self) -> None:
         # Keep the wrapped loss function's name and docs, as functools.wraps would.
@@ -175,6 +178,10 @@ class Step:
             )
         if substate:
             changes["inits"] = merge(changes.get("inits", self.inits), substate, transform)
+        if "update" in changes and "in_place_update" not in changes:
+            changes["in_place_update"] = self.in_place_update and reads_no_state_after_inner(
+                changes["update"]
+            )
         return attrs.evolve(self, transforms=(*self.transforms, transform), **changes)
 
     @property
@@ -401,6 +408,23 @@ def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metri
         return _run_locked(step, state, batch)
 
 
+def _intact_note(step: Step, state: TrainState) -> str:
+    """The note on an error raised before a donating call wrote into its state."""
+    note = (
+        f"fasttorch: the state passed to step {step.name!r} is still usable: the call "
+        "failed before writing into it"
+    )
+    if not (step.is_eager and state.buffers):
+        return note
+    # Not told apart by version counters: BatchNorm's kernels write its running
+    # statistics without bumping them.
+    return (
+        f"{note}, except that the forward may have updated buffers in place before the "
+        "error (BatchNorm running statistics), as model(x) does in a plain loop. Build "
+        "the step with donate=False to keep them too"
+    )
+
+
 _LOCKS: dict[torch.device, threading.RLock] = {}
 _LOCKS_LOCK = threading.Lock()
 
@@ -454,16 +478,17 @@ def _run_locked(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState
     except BaseException as e:
         if step.donate and progress.began:
             # Part of the results may already be in the input state's tensors (a
-            # compiled kernel writes a counter before the one that fails; the forward
-            # updates BatchNorm statistics in place): no longer a consistent state.
+            # compiled kernel writes a counter before the one that fails, an eager
+            # commit fails part-way): no longer a consistent state.
             mark_failed(given, f"step {step.name!r}", e)
             if state is not given:
                 mark_failed(state, f"step {step.name!r}", e)
             e.add_note(
                 f"fasttorch: the state passed to step {step.name!r} was donated and is now "
-                "unusable (DonatedStateError): continue from the last state a call returned "
-                "successfully, or build the step with donate=False to keep it intact"
+                f"unusable (DonatedStateError): {AFTER_FAILURE}"
             )
+        elif step.donate:
+            e.add_note(_intact_note(step, state))
         clear = unreached_error(e)
         if clear is not None:  # raised while tracing a graph: the error as eager raises it
             for note in getattr(e, "__notes__", ()):

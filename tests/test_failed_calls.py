@@ -69,20 +69,31 @@ def test_a_failed_call_leaves_the_state_intact_or_dead(mode, accumulate, donate)
         state, _ = step(state, _batch())
     assert int(state.step) == 1
     before = _leaves(state)
+    bn_before = {k: b.clone() for k, b in state.buffers.items()}
     with pytest.raises(IndexError) as info:
         step(state, _batch(bad=True))
-    if donate:
-        # Part of the results may be in its tensors (here BatchNorm's running
-        # statistics, updated by the forward before the embedding failed).
-        assert "donated and is now unusable" in "".join(info.value.__notes__)
+    notes = "".join(getattr(info.value, "__notes__", ()))
+    if donate and mode == "compiled":
+        # The graph ran: part of the results may be in its tensors.
+        assert "donated and is now unusable" in notes
         with pytest.raises(DonatedStateError, match=r"failed part-way \(IndexError.*donate=False"):
             state.step  # noqa: B018
+        return
+    if donate:
+        # The eager loss failed before anything was written, but for BatchNorm's running
+        # statistics, which its forward updated in place (as model(x) in a plain loop).
+        assert "still usable" in notes and "BatchNorm running statistics" in notes
+        changed = [k for k, b in state.buffers.items() if not torch.equal(b, bn_before[k])]
+        assert sorted(changed) == ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var"]
+        for k in changed:  # what the next comparison holds the state to
+            state.buffers[k].copy_(bn_before[k])
     else:
-        after = torch.utils._pytree.tree_leaves(state)
-        assert len(after) == len(before)
-        assert all(torch.equal(a, b) for a, b in zip(before, after))
-        state, _ = step(state, _batch())  # still usable
-        assert int(state.step) == (1 if accumulate == "across" else 2)
+        assert "still usable" not in notes
+    after = torch.utils._pytree.tree_leaves(state)
+    assert len(after) == len(before)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    state, _ = step(state, _batch())  # still usable
+    assert int(state.step) == (1 if accumulate == "across" else 2)
 
 
 def test_a_compiled_kernel_that_fails_after_writing_a_counter_kills_the_donated_state():

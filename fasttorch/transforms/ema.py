@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 
 from fasttorch import _checks, struct
-from fasttorch.phases import GradOut, Metrics, Tensors
+from fasttorch.phases import GradOut, Metrics, Tensors, no_state_read_after_inner
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, check_wrap
 from fasttorch.substates import SubState
@@ -107,6 +107,7 @@ def ema(step: Step, decay: float, *, warmup: float | None = None) -> Step:
     inner = step.update
     rate = 1.0 - float(decay)
 
+    @no_state_read_after_inner
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         old: EmaState = state.substates[KEY]
         new, metrics = inner(state, g)

@@ -11,6 +11,7 @@ from fasttorch.phases import (
     GradOut,
     Metrics,
     mark_skip,
+    no_state_read_after_inner,
     opaque_update,
     unscaled_norm,
 )
@@ -149,6 +150,7 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 20) -> Step:
         )
     inner = step.update
 
+    @no_state_read_after_inner
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         counts: NonFiniteState = state.substates[KEY]
         norm = unscaled_norm(g, opaque=opaque_update(state, g.donated))
