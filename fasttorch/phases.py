@@ -179,12 +179,13 @@ def loss_phase(loss_fn: LossFn) -> LossPhase:
                     f"{name}(apply, batch) with batch = {describe(batch)}"
                 )
                 raise
+        record = as_loss(out, batch, name)
         if len(called) == 0:  # not bool(list): dynamo on torch 2.11 refuses it
             # The model itself, or a copy of it, ran instead: under compiled or
             # donate=False that trains nothing, and a donated eager step, whose state
             # shares the model's tensors, refuses it too rather than train differently.
             raise unreached(f"loss function {name!r} never called apply")
-        return as_loss(out, batch, name)
+        return record
 
     return loss
 
