@@ -178,7 +178,8 @@ def _begins(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             out = fn(*args, **kwargs)
         except BaseException as e:
-            if not _compat.is_compile_error(e):
+            # compiled re-raises the user's own error found while tracing from dynamo's
+            if not (_compat.is_compile_error(e) or _compat.is_compile_error(e.__cause__)):
                 _scope.begin()
             raise
         _scope.begin()
