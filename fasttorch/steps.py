@@ -111,8 +111,16 @@ class Step:
     Build one with :func:`step`, change it with the transforms. Calling it checks its
     inputs, adds missing transform sub-states (``init``), then runs ``runner``. With
     ``donate=True`` (the default) the input state's tensors are updated in place and
-    the input state may not be used again, also when the call raises once its phases
-    have begun (part of the results may be written: docs/concepts.md, "Donation").
+    the input state may not be used again, also when the call raises after it may have
+    written into them (docs/concepts.md, "Donation"); an error raised before (by the
+    loss function, by a compiler refusing the graph) leaves it usable.
+
+    ``in_place_update``: whether the update phase may write the donated state's tensors
+    in place before the call commits; true while every update phase wrapped around the
+    default one is declared with :func:`fasttorch.phases.no_state_read_after_inner`
+    (set by :meth:`with_phases`). Otherwise the update runs out of place and the commit
+    copies its results, so that a phase reading its input state after its inner one
+    sees the old values, as in a compiled step.
     """
 
     loss: LossPhase
@@ -225,7 +233,8 @@ def step(loss_fn: LossFn, *, donate: bool = True) -> Step:
     Args:
         loss_fn: ``(apply, batch) -> loss | (loss, aux) | Loss``.
         donate: update the input state's tensors in place (memory 1x) and mark it
-            dead, as ``jax.jit(donate_argnums=0)``, also when the call fails part-way.
+            dead, as ``jax.jit(donate_argnums=0)``, also when the call fails after it
+            may have written into them (an error of the loss function does not).
             ``False`` leaves every input state untouched and usable, whether the call
             returns or raises (copying semantics, for tests and comparisons).
 
@@ -233,9 +242,11 @@ def step(loss_fn: LossFn, *, donate: bool = True) -> Step:
         TypeError: ``loss_fn`` is not callable, or cannot be called as
             ``loss_fn(apply, batch)`` (checked here when its signature can be read).
 
-    Calling the step raises ``ValueError`` when the loss reaches none of the state's
-    parameters or (eagerly) the model's own parameters instead of them: call the model
-    as ``apply(x)``, not ``model(x)``; and when the state's tensors do not fit its
+    Calling the step raises ``ValueError``, in every mode, when the loss never calls
+    ``apply`` (it calls ``model(x)`` or a ``copy.deepcopy(model)`` instead) or reaches
+    none of the state's parameters, and (eagerly, when the state's tensors are not the
+    model's own) when it mixes ``apply`` with the model's own parameters: call the model
+    as ``apply(x)``; and when the state's tensors do not fit its
     module (names or shapes of another model). Parameters the loss does not reach are
     not updated, as ``torch.optim`` skips a ``grad`` of ``None`` (docs/concepts.md).
 

@@ -10,6 +10,7 @@ from tolerance import EXACT
 from torch import nn
 
 import fasttorch
+from fasttorch import _compat
 from fasttorch.state import DonatedStateError
 from fasttorch.testing import assert_states_close
 
@@ -353,3 +354,48 @@ def test_a_counted_window_that_is_not_empty_gives_the_same_bits():
         results.append(state)
     for k in results[0].params:
         assert torch.equal(results[0].params[k], results[1].params[k]), k
+
+
+# --------------------------------------------------------------------------- compiled errors
+
+
+def _float_labels(apply, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(apply(x), y.argmax(1).float())  # LINE: labels
+
+
+def _raises(apply, batch):
+    x, y = batch
+    if x.shape[0] == 8:  # a shape, known while tracing
+        raise ValueError(f"a batch of {x.shape[0]} rows is not supported here")  # LINE: raise
+    return torch.nn.functional.mse_loss(apply(x), y)
+
+
+def _line(marker: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, text in enumerate(f, 1) if text.rstrip().endswith(marker))
+
+
+@pytest.mark.parametrize("loss_fn", [_float_labels, _raises], ids=["kernel", "raise"])
+def test_a_users_error_in_a_compiled_step_is_reported_as_the_users_own(loss_fn):
+    """Not forty lines of tracer output: the user's exception type and message, then
+    the user's file and line, with dynamo's report kept as the cause."""
+    step = fasttorch.compiled(fasttorch.step(loss_fn), backend="aot_eager")
+    state = _fresh()
+    with pytest.raises(Exception) as info:
+        step(state, batches(1, 8)[0])
+    err = info.value
+    expected = RuntimeError if loss_fn is _float_labels else ValueError
+    assert type(err) is expected
+    assert _compat.is_compile_error(err.__cause__)  # the compiler's report, on the chain
+    if loss_fn is _raises:
+        assert str(err) == "a batch of 8 rows is not supported here"  # as eagerly
+    else:  # the meta kernel's words for the fake-tensor run, whatever the release
+        assert str(err) and str(err) in str(err.__cause__)
+    marker = "# LINE: labels" if loss_fn is _float_labels else "# LINE: raise"
+    notes = err.__notes__
+    assert notes[0] == notes[0].splitlines()[0]  # one line each
+    assert notes[0].startswith(f'fasttorch: raised at File "{__file__}", line {_line(marker)}')
+    assert "still usable" in notes[-1]
+    state, _ = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")(state, batches(1, 8)[0])
+    assert int(state.step) == 1
