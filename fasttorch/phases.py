@@ -309,6 +309,22 @@ def no_state_read_after_inner(update: UpdatePhase) -> UpdatePhase:
     in a compiled step, because the new values then reach the state's tensors only
     when the step commits them (``Step.in_place_update``, docs/concepts.md, "Phases").
     Returns ``update`` itself.
+
+    Example:
+        >>> import torch, fasttorch
+        >>> from fasttorch.phases import no_state_read_after_inner
+        >>> def with_next_step(step):
+        ...     inner = step.update
+        ...
+        ...     @no_state_read_after_inner  # reads only `new` after inner returns
+        ...     def update(state, g):
+        ...         new, metrics = inner(state, g)
+        ...         return new, {**metrics, "next_step": new.step.clone()}
+        ...
+        ...     return step.with_phases("with_next_step", update=update)
+        >>> s = with_next_step(fasttorch.step(lambda apply, x: apply(x).pow(2).mean()))
+        >>> s.in_place_update
+        True
     """
     setattr(update, _NO_READ_AFTER, True)
     return update
