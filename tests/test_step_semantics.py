@@ -241,6 +241,26 @@ def test_a_loss_that_calls_the_model_instead_of_apply_is_refused(target, mode, d
         torch.testing.assert_close(p, before[k], **EXACT)  # the same tensors, unwritten
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_donated_eager_loss_whose_value_reaches_no_parameter_is_refused(accumulate):
+    """apply is called, but the loss is computed from a copy of the model: the donated
+    eager step (the module's own tensors, the .grad engine under grad_accumulate)
+    finds no parameter reached, as the other modes do, instead of training nothing."""
+    model = _direct_model()
+    other = copy.deepcopy(model)
+
+    def unused_apply(apply, batch):
+        x, y = batch
+        apply(x)
+        return nn.functional.mse_loss(other(x), y)
+
+    state = fasttorch.TrainState.create(model, F.sgd(0.1))
+    step = fasttorch.grad_accumulate(fasttorch.step(unused_apply), accumulate)
+    with pytest.raises(ValueError, match=r"reached none of the state's parameters.*apply\(x\)"):
+        step(state, _windows(1, 1)[0][0])
+    assert int(state.step) == 0  # refused before the update: still usable
+
+
 def test_a_loss_that_uses_one_part_of_the_model_directly_is_refused():
     model = _direct_model()
 
