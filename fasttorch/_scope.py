@@ -22,12 +22,14 @@ class CallScope:
     """``in_place``: the call donates its state, so phases may update its tensors in place.
     ``into``: an eager accumulation window whose backward adds into the module's ``.grad``
     (a :class:`fasttorch._engine.IntoGrad`), or ``None``. ``progress``: the driver's
-    :class:`Progress` of the call.
+    :class:`Progress` of the call. ``state_window``: the accumulation window the call
+    adds into is the state's own (across calls), not a scratch one.
     """
 
     in_place: bool = False
     into: Any = None
     progress: Progress | None = None
+    state_window: bool = False
 
 
 class Progress:

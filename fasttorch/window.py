@@ -239,7 +239,10 @@ def run(step: Step, state: TrainState, batch: Batch) -> Result:
             'grad_accumulate, before compiled): docs/distributed.md, "Sharding"'
         )
     if w.across_calls:
-        return _across_calls(step, state, batch, w.n)
+        if not eager_call:
+            return _across_calls(step, state, batch, w.n)
+        with _scope.scope(state_window=True):
+            return _across_calls(step, state, batch, w.n)
     micro = [batch] if w.n == 1 else split(batch, w.n, step.name)
     if sharded:
         assert w.reduce is not None
@@ -341,8 +344,8 @@ def _micro(
     step: Step, state: TrainState, acc: AccumState, batch: Batch, n: int, donate_acc: bool
 ) -> tuple[AccumState, GradOut]:
     g = step.grad(step.loss, state, batch, 1.0 / n)
-    if not torch.compiler.is_compiling():
-        _scope.begin()  # the window may be the donated state's, added into in place
+    if not torch.compiler.is_compiling() and _scope.current().state_window:
+        _scope.begin()  # the donated state's own window is added into in place next
     # The gradients now live in the window; returning them too would make a
     # compiled graph keep every one of them alive as an output.
     return accumulate(acc, g, n, donate_acc), g.replace(grads={})

@@ -122,17 +122,22 @@ def test_a_call_refused_before_its_phases_begin_leaves_a_donated_state_usable():
 
 
 def _typo_loss(apply, batch):
-    """A classification loss whose labels are floats when the batch has a third item
-    (a notebook's typo): cross_entropy refuses them after the forward ran."""
+    """A classification loss whose labels are floats in a microbatch whose third item
+    flags it (a notebook's typo): cross_entropy refuses them after the forward ran.
+    (A host read of the flags: these steps run eagerly.)"""
     x, y = batch[0], batch[1]
-    labels = y.argmax(1).float() if len(batch) == 3 else y.argmax(1)
+    typo = len(batch) == 3 and bool(batch[2].any())
+    labels = y.argmax(1).float() if typo else y.argmax(1)
     return torch.nn.functional.cross_entropy(apply(x), labels)
 
 
-def _fresh():
+def _fresh(own: bool = True):
+    """A state; ``own=False``: over copies of the model's tensors (as a loaded
+    checkpoint), which an eager step runs through functional_call."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    return fasttorch.TrainState.create(model, fasttorch.optim.adam(0.01))
+    state = fasttorch.TrainState.create(model, fasttorch.optim.adam(0.01))
+    return state if own else state.replace(params={k: p.clone() for k, p in state.params.items()})
 
 
 def _raising_update(step):
@@ -149,9 +154,12 @@ def _raising_update(step):
     return step.with_phases("raising", update=update), fail
 
 
+@pytest.mark.parametrize("own", [True, False], ids=["model's tensors", "copies"])
 @pytest.mark.parametrize("where", ["loss", "update"])
 @pytest.mark.parametrize("accumulate", ["none", "within", "across"])
-def test_an_error_before_anything_is_written_leaves_a_donated_eager_state_usable(accumulate, where):
+def test_an_error_before_anything_is_written_leaves_a_donated_eager_state_usable(
+    accumulate, where, own
+):
     """A typo in the loss (or a user's update phase that fails before the commit)
     consumes nothing: the state steps on and equals one that never saw the error."""
 
@@ -166,10 +174,10 @@ def test_an_error_before_anything_is_written_leaves_a_donated_eager_state_usable
 
     good = batches(4, 8)
     step, fail = build()
-    state = _fresh()
+    state = _fresh(own)
     state, _ = step(state, good[0])
-    if where == "loss":
-        bad: tuple = (*good[1], None)
+    if where == "loss":  # the typo in the second half: the second microbatch of two
+        bad: tuple = (*good[1], (torch.arange(8) >= 4).float())
     else:
         bad, fail[0] = good[1], True
     with pytest.raises(RuntimeError) as info:
@@ -182,7 +190,7 @@ def test_an_error_before_anything_is_written_leaves_a_donated_eager_state_usable
         return
     assert "is still usable" in notes
     ref_step, _ = build()
-    ref = _fresh()
+    ref = _fresh(own)
     ref, _ = ref_step(ref, good[0])
     for batch in good[1:]:
         state, _ = step(state, batch)
