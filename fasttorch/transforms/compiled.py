@@ -408,7 +408,13 @@ def compile_step_fn(
                 compiled_fn = kept(fn, mine, describe(fn), opts, where, args, kwargs, compiled_fn)
             if uses_cudagraphs(opts) and not _on_cpu((args, kwargs)):
                 with _compat.recompile_budget(limit):
-                    return _first_graph_call(compiled_fn, fn, args, kwargs, static_state)
+                    try:
+                        return _first_graph_call(compiled_fn, fn, args, kwargs, static_state)
+                    except Exception as err:
+                        clear = user_error(err)
+                        if clear is not None:  # as below
+                            raise clear from err
+                        raise
         if static_state:
             _compat.mark_static_addresses(kept_leaves(args))
         with _compat.tracing_autograd_ops(), _compat.recompile_budget(limit):
