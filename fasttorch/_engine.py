@@ -110,7 +110,7 @@ def gradients(run: Run[L], target: Target, batch: Batch, mult: Any) -> Found[L]:
     # None marks a parameter the loss's graph does not reach: a fact about the graph,
     # known while it is traced, so the update skips it with no tensor read or branch.
     unused = frozenset(k for k, gi in zip(params, found) if gi is None)
-    if direct is None and (unused or not compiling):
+    if len(unused) == len(params) or (direct is None and (unused or not compiling)):
         check_reached(out.value, target.module, target.params, unused, target.key)
     grads = [torch.zeros_like(p) if gi is None else gi for p, gi in zip(params.values(), found)]
     return dict(zip(params, grads)), out, unused

@@ -15,15 +15,21 @@ from typing import Any
 
 import torch
 
-__all__ = ["NO_PARAMETER_REACHED", "check_reached", "unreached_error"]
+__all__ = ["NO_PARAMETER_REACHED", "check_reached", "unreached", "unreached_error"]
 
 NO_PARAMETER_REACHED = "the loss function reached none of the state's parameters"
 _USE_APPLY = (
     "the step would train nothing. If it calls the model itself (model(x), "
-    "model.head(h)), call apply(x) instead: apply runs the model with the state's "
-    "parameters, which are not the model's own tensors under compiled or donate=False. "
-    "A loss that uses no parameter cannot be trained"
+    "model.head(h)) or a copy of it (copy.deepcopy(model)), call apply(x) instead: "
+    "apply runs the model with the state's parameters, which are not the model's own "
+    "tensors under compiled or donate=False. A loss that uses no parameter cannot be "
+    "trained"
 )
+
+
+def unreached(detail: str) -> ValueError:
+    """The error for a loss that reached none of the state's parameters; ``detail``: how."""
+    return ValueError(f"{NO_PARAMETER_REACHED} ({detail}): {_USE_APPLY}")
 
 
 def unreached_error(error: BaseException) -> ValueError | None:
@@ -32,9 +38,14 @@ def unreached_error(error: BaseException) -> ValueError | None:
     Raised while a graph is traced, the ``ValueError`` reaches the caller as the
     compiler's "unsupported: observed exception" with the message inside its text.
     """
-    if isinstance(error, ValueError) or NO_PARAMETER_REACHED not in str(error):
+    text = str(error)
+    start = text.find(NO_PARAMETER_REACHED)
+    if isinstance(error, ValueError) or start < 0:
         return None
-    return ValueError(f"{NO_PARAMETER_REACHED}: {_USE_APPLY}")
+    end = text.find(_USE_APPLY, start)
+    if end < 0:  # the message cut short: the one without the detail
+        return ValueError(f"{NO_PARAMETER_REACHED}: {_USE_APPLY}")
+    return ValueError(text[start : end + len(_USE_APPLY)])
 
 
 # Per module: the (loss phase, unused parameters) pairs whose graph was found clean.
@@ -61,7 +72,7 @@ def check_reached(
     phase and set of unused parameters).
     """
     if len(unused) == len(params):
-        raise ValueError(f"{NO_PARAMETER_REACHED} ({len(params)}): {_USE_APPLY}")
+        raise unreached(f"it has {len(params)}")
     if torch.compiler.is_compiling():
         return
     seen = _CHECKED.setdefault(module, set())

@@ -22,27 +22,32 @@ class CallScope:
     """``in_place``: the call donates its state, so phases may update its tensors in place.
     ``into``: an eager accumulation window whose backward adds into the module's ``.grad``
     (a :class:`fasttorch._engine.IntoGrad`), or ``None``. ``progress``: the driver's
-    :class:`Progress` of the call.
+    :class:`Progress` of the call. ``state_window``: the accumulation window the call
+    adds into is the state's own (across calls), not a scratch one.
     """
 
     in_place: bool = False
     into: Any = None
     progress: Progress | None = None
+    state_window: bool = False
 
 
 class Progress:
-    """Whether the running call has begun its phases (``began``), set outside any graph.
+    """Whether the running call may have written into its donated state (``began``).
 
-    The driver marks a donated input state dead when a call fails after that point:
-    from then on part of the results may already be in its tensors. Validation that
-    fails earlier (a batch that cannot be split) leaves it usable.
+    Set outside any graph where a write can begin: an eager update phase that updates
+    in place, an eager commit's copies, an accumulation window added into in place,
+    a compiled kernel that ran (or failed while running). The driver marks a donated
+    input state dead when a call fails after that point. An error raised earlier (by
+    the loss function, by a compiler refusing a graph, by validation) leaves it usable;
+    only buffers the eager forward updated in place (BatchNorm statistics) may differ.
     """
 
     began: bool = False
 
 
 def begin() -> None:
-    """Note that the running call has begun its phases (outside any graph only)."""
+    """Note that the running call may write its donated state now (outside any graph)."""
     progress = _SCOPE.get().progress
     if progress is not None:
         progress.began = True

@@ -34,6 +34,7 @@ from fasttorch._buffers import SKIP_BUFFERS as SKIP_BUFFERS
 from fasttorch._buffers import restore_buffers
 from fasttorch._engine import ModuleTensors
 from fasttorch._module import call_with
+from fasttorch._reached import unreached
 from fasttorch._tree import add_weighted_aux as add_weighted_aux
 from fasttorch._tree import batch_size, constant, describe
 from fasttorch._tree import divide_aux as divide_aux
@@ -58,7 +59,9 @@ __all__ = [
     "grad_phase",
     "loss_phase",
     "mark_skip",
+    "no_state_read_after_inner",
     "opaque_update",
+    "reads_no_state_after_inner",
     "reciprocal",
     "scale_grads",
     "skip_empty_window",
@@ -145,7 +148,10 @@ def loss_phase(loss_fn: LossFn) -> LossPhase:
     name = getattr(loss_fn, "__name__", repr(loss_fn))
 
     def loss(state: TrainState, params: Tensors, buffers: Tensors, batch: Batch) -> Loss:
+        called: list[bool] = []  # whether loss_fn ran the model through apply
+
         def apply(*args: Any, **kwargs: Any) -> Any:
+            called.append(True)
             # The module's own tensors (a sharded state's are its shards, and a sharded
             # state never runs in a graph: FSDP2's hooks cannot): call it as is.
             own = type(params) is ModuleTensors
@@ -165,7 +171,6 @@ def loss_phase(loss_fn: LossFn) -> LossPhase:
         if torch.compiler.is_compiling():
             out = loss_fn(apply, batch)
         else:
-            _scope.begin()  # the forward may update buffers in place from here on
             try:
                 out = loss_fn(apply, batch)
             except Exception as e:
@@ -174,7 +179,13 @@ def loss_phase(loss_fn: LossFn) -> LossPhase:
                     f"{name}(apply, batch) with batch = {describe(batch)}"
                 )
                 raise
-        return as_loss(out, batch, name)
+        record = as_loss(out, batch, name)
+        if len(called) == 0:  # not bool(list): dynamo on torch 2.11 refuses it
+            # The model itself, or a copy of it, ran instead: under compiled or
+            # donate=False that trains nothing, and a donated eager step, whose state
+            # shares the model's tensors, refuses it too rather than train differently.
+            raise unreached(f"loss function {name!r} never called apply")
+        return record
 
     return loss
 
@@ -255,6 +266,8 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
     norm = unscaled_norm(g, opaque=opaque)
     lr = state.optimizer.learning_rate(state.opt_state, state.step)
     eager_in_place = not torch.compiler.is_compiling() and _scope.current().in_place
+    if eager_in_place:
+        _scope.begin()  # the optimizer writes the donated state's tensors from here on
     params, opt_state = _engine.apply_optimizer(
         state.optimizer,
         state.params,
@@ -281,6 +294,46 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         step=state.step.add_(1) if eager_in_place else state.step + 1,
     )
     return new, metrics
+
+
+_NO_READ_AFTER = "__fasttorch_reads_no_state_after_inner__"
+
+
+def no_state_read_after_inner(update: UpdatePhase) -> UpdatePhase:
+    """Declare that ``update``, wrapping an inner update phase, reads nothing of the state
+    it is given after the inner phase returns (it reads the state before, or the new one).
+
+    A donating eager step then lets the inner phases write the state's tensors in place
+    (the optimizer, the step counter): no copy at the commit. An update phase not
+    declared this way sees its input state unchanged after calling the inner one, as
+    in a compiled step, because the new values then reach the state's tensors only
+    when the step commits them (``Step.in_place_update``, docs/concepts.md, "Phases").
+    Returns ``update`` itself.
+
+    Example:
+        >>> import torch, fasttorch
+        >>> from fasttorch.phases import no_state_read_after_inner
+        >>> def with_next_step(step):
+        ...     inner = step.update
+        ...
+        ...     @no_state_read_after_inner  # reads only `new` after inner returns
+        ...     def update(state, g):
+        ...         new, metrics = inner(state, g)
+        ...         return new, {**metrics, "next_step": new.step.clone()}
+        ...
+        ...     return step.with_phases("with_next_step", update=update)
+        >>> s = with_next_step(fasttorch.step(lambda apply, x: apply(x).pow(2).mean()))
+        >>> s.in_place_update
+        True
+    """
+    setattr(update, _NO_READ_AFTER, True)
+    return update
+
+
+def reads_no_state_after_inner(update: UpdatePhase) -> bool:
+    """Whether ``update`` is :func:`update_phase` or declared by
+    :func:`no_state_read_after_inner`."""
+    return update is update_phase or getattr(update, _NO_READ_AFTER, False) is True
 
 
 def opaque_update(state: TrainState, donated: bool) -> bool:

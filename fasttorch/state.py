@@ -13,7 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fasttorch import struct
+from fasttorch import _scope, struct
 from fasttorch._module import Ties, call_with, record_modes, tied_names
 from fasttorch._module import evaluating as evaluating
 from fasttorch._module import is_sharded as is_sharded
@@ -335,11 +335,8 @@ def _raise_donated(state: TrainState) -> NoReturn:
             f"this TrainState was donated to {where}, which failed part-way ({failure}). "
             "A donating call writes its results into the input state's tensors, and some "
             "may already have been written when the error surfaced (a compiled kernel "
-            "that ran before the failing one, BatchNorm statistics updated by the "
-            "forward), so the state is no longer consistent and cannot be used. Continue "
-            "from the last state a call returned successfully (or a checkpoint), or build "
-            "the step with fasttorch.step(loss_fn, donate=False) to keep input states "
-            "intact when a call fails"
+            "that ran before the failing one), so the state is no longer consistent and "
+            f"cannot be used: {AFTER_FAILURE}"
         )
     raise DonatedStateError(
         f"this TrainState was donated to {where}: its tensors were updated in place "
@@ -347,6 +344,17 @@ def _raise_donated(state: TrainState) -> NoReturn:
         "(state, metrics = step(state, batch)), or build the step with "
         "fasttorch.step(loss_fn, donate=False) to keep input states intact"
     )
+
+
+# What to do once a donating call failed part-way: true on a first call too, where no
+# earlier state exists and the model's own tensors (the state's) may be part-written.
+AFTER_FAILURE = (
+    "continue from the last state a call returned successfully, or from a checkpoint; "
+    "if no call has returned yet, create the model and its state again (a donated "
+    "state shares the model's tensors, which may hold part of the results). Build the "
+    "step with fasttorch.step(loss_fn, donate=False) to keep input states intact when "
+    "a call fails"
+)
 
 
 def mark_failed(state: TrainState, by: str, error: BaseException) -> None:
@@ -399,6 +407,7 @@ def commit(donate: bool, old: Any, new: Any) -> Any:
     if len(dst) > 0 and compiling:  # the compiler makes its own kernels for the copies
         torch._foreach_copy_(dst, src)
     elif len(dst) > 0:
+        _scope.begin()  # a failure from here on leaves the donated state part-written
         _copy_by_dtype(dst, src)
     return out
 

@@ -49,10 +49,12 @@ from fasttorch.phases import (
     global_norm,
     grad_phase,
     loss_phase,
+    reads_no_state_after_inner,
     scale_grads,
     update_phase,
 )
 from fasttorch.state import (
+    AFTER_FAILURE,
     TrainState,
     check_alive,
     check_template,
@@ -109,8 +111,16 @@ class Step:
     Build one with :func:`step`, change it with the transforms. Calling it checks its
     inputs, adds missing transform sub-states (``init``), then runs ``runner``. With
     ``donate=True`` (the default) the input state's tensors are updated in place and
-    the input state may not be used again, also when the call raises once its phases
-    have begun (part of the results may be written: docs/concepts.md, "Donation").
+    the input state may not be used again, also when the call raises after it may have
+    written into them (docs/concepts.md, "Donation"); an error raised before (by the
+    loss function, by a compiler refusing the graph) leaves it usable.
+
+    ``in_place_update``: whether the update phase may write the donated state's tensors
+    in place before the call commits; true while every update phase wrapped around the
+    default one is declared with :func:`fasttorch.phases.no_state_read_after_inner`
+    (set by :meth:`with_phases`). Otherwise the update runs out of place and the commit
+    copies its results, so that a phase reading its input state after its inner one
+    sees the old values, as in a compiled step.
     """
 
     loss: LossPhase
@@ -125,6 +135,7 @@ class Step:
     window: Window = attrs.field(factory=Window)
     jit: Callable[..., Callable[..., Any]] = eager
     hooks: tuple[CallHook, ...] = ()
+    in_place_update: bool = True
 
     def __attrs_post_init__(self) -> None:
         # Keep the wrapped loss function's name and docs, as functools.wraps would.
@@ -175,6 +186,10 @@ class Step:
             )
         if substate:
             changes["inits"] = merge(changes.get("inits", self.inits), substate, transform)
+        if "update" in changes and "in_place_update" not in changes:
+            changes["in_place_update"] = self.in_place_update and reads_no_state_after_inner(
+                changes["update"]
+            )
         return attrs.evolve(self, transforms=(*self.transforms, transform), **changes)
 
     @property
@@ -218,7 +233,8 @@ def step(loss_fn: LossFn, *, donate: bool = True) -> Step:
     Args:
         loss_fn: ``(apply, batch) -> loss | (loss, aux) | Loss``.
         donate: update the input state's tensors in place (memory 1x) and mark it
-            dead, as ``jax.jit(donate_argnums=0)``, also when the call fails part-way.
+            dead, as ``jax.jit(donate_argnums=0)``, also when the call fails after it
+            may have written into them (an error of the loss function does not).
             ``False`` leaves every input state untouched and usable, whether the call
             returns or raises (copying semantics, for tests and comparisons).
 
@@ -226,9 +242,11 @@ def step(loss_fn: LossFn, *, donate: bool = True) -> Step:
         TypeError: ``loss_fn`` is not callable, or cannot be called as
             ``loss_fn(apply, batch)`` (checked here when its signature can be read).
 
-    Calling the step raises ``ValueError`` when the loss reaches none of the state's
-    parameters or (eagerly) the model's own parameters instead of them: call the model
-    as ``apply(x)``, not ``model(x)``; and when the state's tensors do not fit its
+    Calling the step raises ``ValueError``, in every mode, when the loss never calls
+    ``apply`` (it calls ``model(x)`` or a ``copy.deepcopy(model)`` instead) or reaches
+    none of the state's parameters, and (eagerly, when the state's tensors are not the
+    model's own) when it mixes ``apply`` with the model's own parameters: call the model
+    as ``apply(x)``; and when the state's tensors do not fit its
     module (names or shapes of another model). Parameters the loss does not reach are
     not updated, as ``torch.optim`` skips a ``grad`` of ``None`` (docs/concepts.md).
 
@@ -401,6 +419,23 @@ def _run(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metri
         return _run_locked(step, state, batch)
 
 
+def _intact_note(step: Step, state: TrainState) -> str:
+    """The note on an error raised before a donating call wrote into its state."""
+    note = (
+        f"fasttorch: the state passed to step {step.name!r} is still usable: the call "
+        "failed before writing into it"
+    )
+    if not (step.is_eager and state.buffers):
+        return note
+    # Not told apart by version counters: BatchNorm's kernels write its running
+    # statistics without bumping them.
+    return (
+        f"{note}, except that the forward may have updated buffers in place before the "
+        "error (BatchNorm running statistics), as model(x) does in a plain loop. Build "
+        "the step with donate=False to keep them too"
+    )
+
+
 _LOCKS: dict[torch.device, threading.RLock] = {}
 _LOCKS_LOCK = threading.Lock()
 
@@ -467,16 +502,17 @@ def _run_locked(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState
     except BaseException as e:
         if step.donate and progress.began:
             # Part of the results may already be in the input state's tensors (a
-            # compiled kernel writes a counter before the one that fails; the forward
-            # updates BatchNorm statistics in place): no longer a consistent state.
+            # compiled kernel writes a counter before the one that fails, an eager
+            # commit fails part-way): no longer a consistent state.
             mark_failed(given, f"step {step.name!r}", e)
             if state is not given:
                 mark_failed(state, f"step {step.name!r}", e)
             e.add_note(
                 f"fasttorch: the state passed to step {step.name!r} was donated and is now "
-                "unusable (DonatedStateError): continue from the last state a call returned "
-                "successfully, or build the step with donate=False to keep it intact"
+                f"unusable (DonatedStateError): {AFTER_FAILURE}"
             )
+        elif step.donate:
+            e.add_note(_intact_note(step, state))
         clear = unreached_error(e)
         if clear is not None:  # raised while tracing a graph: the error as eager raises it
             for note in getattr(e, "__notes__", ()):

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from fasttorch import _opaque, _scope
+from fasttorch import _compat, _opaque, _scope
 from fasttorch._accum import (
     KEY,
     AccumState,
@@ -39,6 +39,7 @@ from fasttorch._accum import (
     split,
 )
 from fasttorch._engine import IntoGrad, module_tensors
+from fasttorch._reached import unreached
 from fasttorch._tree import add_weighted_aux, divide_aux
 from fasttorch.phases import (
     Batch,
@@ -89,6 +90,8 @@ class Step(Protocol):
     def jit(self) -> Callable[..., Callable[..., Any]]: ...
     @property
     def is_eager(self) -> bool: ...
+    @property
+    def in_place_update(self) -> bool: ...
     def kernel(
         self, name: str, make: Callable[[], Callable[..., Any]], *, cpp_wrapper: bool = False
     ) -> Callable[..., Any]: ...
@@ -163,18 +166,43 @@ def memo(step: Step, name: str) -> dict[str, Any]:
 
 
 def _begins(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn``, noting in the call scope that the call has begun when it runs."""
+    """``fn``, a compiled kernel, noting in the call scope that it may have written.
+
+    A kernel that ran, or failed while running, may have written into the donated
+    state (a counter's increment scheduled before the failing kernel). One that the
+    compiler refused (a trace or compile error, a shape error found while tracing)
+    ran nothing: the call scope is left as it was.
+    """
 
     def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException as e:
+            # compiled re-raises the user's own error found while tracing from dynamo's
+            if not (_compat.is_compile_error(e) or _compat.is_compile_error(e.__cause__)):
+                _scope.begin()
+            raise
         _scope.begin()
-        return fn(*args, **kwargs)
+        return out
 
     return run
 
 
 def apply_update(step: Step, state: TrainState, g: GradOut) -> Result:
-    """The update phase, its result committed into ``state``'s tensors under donation."""
-    out = step.update(state, g.replace(donated=step.donate))
+    """The update phase, its result committed into ``state``'s tensors under donation.
+
+    Eagerly, the phases write the donated state's tensors in place only where no
+    update phase around the innermost one reads its input state after calling it
+    (``Step.in_place_update``): otherwise a transform would see the new values
+    through the old state, where a compiled step shows it the old ones.
+    """
+    in_place = step.donate and step.in_place_update
+    g = g.replace(donated=in_place)
+    if torch.compiler.is_compiling():
+        out = step.update(state, g)
+    else:
+        with _scope.scope(in_place=in_place):
+            out = step.update(state, g)
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], TrainState)):
         raise TypeError(
             f"step {step.name!r}: its update phase returned {_returned(out)}; an update "
@@ -211,7 +239,10 @@ def run(step: Step, state: TrainState, batch: Batch) -> Result:
             'grad_accumulate, before compiled): docs/distributed.md, "Sharding"'
         )
     if w.across_calls:
-        return _across_calls(step, state, batch, w.n)
+        if not eager_call:
+            return _across_calls(step, state, batch, w.n)
+        with _scope.scope(state_window=True):
+            return _across_calls(step, state, batch, w.n)
     micro = [batch] if w.n == 1 else split(batch, w.n, step.name)
     if sharded:
         assert w.reduce is not None
@@ -313,6 +344,8 @@ def _micro(
     step: Step, state: TrainState, acc: AccumState, batch: Batch, n: int, donate_acc: bool
 ) -> tuple[AccumState, GradOut]:
     g = step.grad(step.loss, state, batch, 1.0 / n)
+    if not torch.compiler.is_compiling() and _scope.current().state_window:
+        _scope.begin()  # the donated state's own window is added into in place next
     # The gradients now live in the window; returning them too would make a
     # compiled graph keep every one of them alive as an output.
     return accumulate(acc, g, n, donate_acc), g.replace(grads={})
@@ -484,6 +517,8 @@ def _in_module(step: Step, state: TrainState, micro: list[Batch], how: InModule)
         assert last is not None
         # A .grad still None after the window: no microbatch's backward reached it.
         unused = frozenset(k for k, p in how.params.items() if p.grad is None)
+        if len(unused) == len(how.params):
+            raise unreached(f"no backward of the window reached its {len(unused)}")
         grads = {
             k: how.local(p.grad) if p.grad is not None else torch.zeros_like(how.local(p))
             for k, p in how.params.items()

@@ -6,10 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import batches, mse
+from tolerance import EXACT
 from torch import nn
 
 import fasttorch
+from fasttorch import _compat
 from fasttorch.state import DonatedStateError
+from fasttorch.testing import assert_states_close
 
 
 class EmbedNet(nn.Module):
@@ -69,20 +72,31 @@ def test_a_failed_call_leaves_the_state_intact_or_dead(mode, accumulate, donate)
         state, _ = step(state, _batch())
     assert int(state.step) == 1
     before = _leaves(state)
+    bn_before = {k: b.clone() for k, b in state.buffers.items()}
     with pytest.raises(IndexError) as info:
         step(state, _batch(bad=True))
-    if donate:
-        # Part of the results may be in its tensors (here BatchNorm's running
-        # statistics, updated by the forward before the embedding failed).
-        assert "donated and is now unusable" in "".join(info.value.__notes__)
+    notes = "".join(getattr(info.value, "__notes__", ()))
+    if donate and mode == "compiled":
+        # The graph ran: part of the results may be in its tensors.
+        assert "donated and is now unusable" in notes
         with pytest.raises(DonatedStateError, match=r"failed part-way \(IndexError.*donate=False"):
             state.step  # noqa: B018
+        return
+    if donate:
+        # The eager loss failed before anything was written, but for BatchNorm's running
+        # statistics, which its forward updated in place (as model(x) in a plain loop).
+        assert "still usable" in notes and "BatchNorm running statistics" in notes
+        changed = [k for k, b in state.buffers.items() if not torch.equal(b, bn_before[k])]
+        assert sorted(changed) == ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var"]
+        for k in changed:  # what the next comparison holds the state to
+            state.buffers[k].copy_(bn_before[k])
     else:
-        after = torch.utils._pytree.tree_leaves(state)
-        assert len(after) == len(before)
-        assert all(torch.equal(a, b) for a, b in zip(before, after))
-        state, _ = step(state, _batch())  # still usable
-        assert int(state.step) == (1 if accumulate == "across" else 2)
+        assert "still usable" not in notes
+    after = torch.utils._pytree.tree_leaves(state)
+    assert len(after) == len(before)
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    state, _ = step(state, _batch())  # still usable
+    assert int(state.step) == (1 if accumulate == "across" else 2)
 
 
 def test_a_compiled_kernel_that_fails_after_writing_a_counter_kills_the_donated_state():
@@ -105,6 +119,114 @@ def test_a_call_refused_before_its_phases_begin_leaves_a_donated_state_usable():
         step(state, (x, y[:6]))
     state, _ = step(state, (x, y))
     assert int(state.step) == 1
+
+
+def _typo_loss(apply, batch):
+    """A classification loss whose labels are floats in a microbatch whose third item
+    flags it (a notebook's typo): cross_entropy refuses them after the forward ran.
+    (A host read of the flags: these steps run eagerly.)"""
+    x, y = batch[0], batch[1]
+    typo = len(batch) == 3 and bool(batch[2].any())
+    labels = y.argmax(1).float() if typo else y.argmax(1)
+    return torch.nn.functional.cross_entropy(apply(x), labels)
+
+
+def _fresh(own: bool = True):
+    """A state; ``own=False``: over copies of the model's tensors (as a loaded
+    checkpoint), which an eager step runs through functional_call."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    state = fasttorch.TrainState.create(model, fasttorch.optim.adam(0.01))
+    return state if own else state.replace(params={k: p.clone() for k, p in state.params.items()})
+
+
+def _raising_update(step):
+    """A user's transform whose update phase fails after its inner update returned."""
+    inner = step.update
+
+    def update(state, g):
+        new, metrics = inner(state, g)
+        if fail[0]:  # a host-side switch, not a tensor value
+            raise RuntimeError("the user's update failed")
+        return new, metrics
+
+    fail = [False]
+    return step.with_phases("raising", update=update), fail
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["model's tensors", "copies"])
+@pytest.mark.parametrize("where", ["loss", "update"])
+@pytest.mark.parametrize("accumulate", ["none", "within", "across"])
+def test_an_error_before_anything_is_written_leaves_a_donated_eager_state_usable(
+    accumulate, where, own
+):
+    """A typo in the loss (or a user's update phase that fails before the commit)
+    consumes nothing: the state steps on and equals one that never saw the error."""
+
+    def build():
+        s = fasttorch.step(_typo_loss)
+        s, fail = _raising_update(s)
+        if accumulate == "within":
+            s = fasttorch.grad_accumulate(s, 2)
+        elif accumulate == "across":
+            s = fasttorch.grad_accumulate(s, 2, across_calls=True)
+        return s, fail
+
+    good = batches(4, 8)
+    step, fail = build()
+    state = _fresh(own)
+    state, _ = step(state, good[0])
+    if where == "loss":  # the typo in the second half: the second microbatch of two
+        bad: tuple = (*good[1], (torch.arange(8) >= 4).float())
+    else:
+        bad, fail[0] = good[1], True
+    with pytest.raises(RuntimeError) as info:
+        step(state, bad)
+    fail[0] = False
+    notes = "".join(info.value.__notes__)
+    if accumulate == "across" and where == "update":
+        # The call's microbatch was added into the state's window before its update.
+        assert "donated and is now unusable" in notes
+        return
+    assert "is still usable" in notes
+    ref_step, _ = build()
+    ref = _fresh(own)
+    ref, _ = ref_step(ref, good[0])
+    for batch in good[1:]:
+        state, _ = step(state, batch)
+        ref, _ = ref_step(ref, batch)
+    assert int(state.step) == int(ref.step) > 0
+    assert_states_close(state, ref, **EXACT)  # the same operations on the same inputs
+
+
+@pytest.mark.parametrize("error", ["shape", "compile"])
+def test_a_first_compiled_call_that_fails_before_anything_ran_leaves_the_state_usable(error):
+    """A shape error found while tracing, or a graph the compiler refuses (a Python
+    branch on a tensor under fullgraph=True): nothing ran, nothing was written."""
+
+    def narrow(apply, batch):
+        x, y = batch
+        return torch.nn.functional.mse_loss(apply(x[:, :5]), y)  # 5 columns for 8 inputs
+
+    def branchy(apply, batch):
+        x, y = batch
+        out = apply(x)
+        return (out - y).abs().mean() if y.sum() > 0 else (out - y).pow(2).mean()
+
+    bad = fasttorch.compiled(
+        fasttorch.step(narrow if error == "shape" else branchy), backend="aot_eager"
+    )
+    state = _fresh()
+    with pytest.raises(Exception) as info:
+        bad(state, batches(1, 8)[0])
+    assert "is still usable" in "".join(info.value.__notes__)
+    good = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    ref = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    fresh = _fresh()
+    for batch in batches(2, 8):
+        state, _ = good(state, batch)
+        fresh, _ = ref(fresh, batch)
+    assert_states_close(state, fresh, **EXACT)  # one compiled code on the same inputs
 
 
 # --------------------------------------------------------------------------- call-time checks
@@ -240,3 +362,48 @@ def test_a_counted_window_that_is_not_empty_gives_the_same_bits():
         results.append(state)
     for k in results[0].params:
         assert torch.equal(results[0].params[k], results[1].params[k]), k
+
+
+# --------------------------------------------------------------------------- compiled errors
+
+
+def _float_labels(apply, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(apply(x), y.argmax(1).float())  # LINE: labels
+
+
+def _raises(apply, batch):
+    x, y = batch
+    if x.shape[0] == 8:  # a shape, known while tracing
+        raise ValueError(f"a batch of {x.shape[0]} rows is not supported here")  # LINE: raise
+    return torch.nn.functional.mse_loss(apply(x), y)
+
+
+def _line(marker: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, text in enumerate(f, 1) if text.rstrip().endswith(marker))
+
+
+@pytest.mark.parametrize("loss_fn", [_float_labels, _raises], ids=["kernel", "raise"])
+def test_a_users_error_in_a_compiled_step_is_reported_as_the_users_own(loss_fn):
+    """Not forty lines of tracer output: the user's exception type and message, then
+    the user's file and line, with dynamo's report kept as the cause."""
+    step = fasttorch.compiled(fasttorch.step(loss_fn), backend="aot_eager")
+    state = _fresh()
+    with pytest.raises(Exception) as info:
+        step(state, batches(1, 8)[0])
+    err = info.value
+    expected = RuntimeError if loss_fn is _float_labels else ValueError
+    assert type(err) is expected
+    assert _compat.is_compile_error(err.__cause__)  # the compiler's report, on the chain
+    if loss_fn is _raises:
+        assert str(err) == "a batch of 8 rows is not supported here"  # as eagerly
+    else:  # the meta kernel's words for the fake-tensor run, whatever the release
+        assert str(err) and str(err) in str(err.__cause__)
+    marker = "# LINE: labels" if loss_fn is _float_labels else "# LINE: raise"
+    notes = err.__notes__
+    assert notes[0] == notes[0].splitlines()[0]  # one line each
+    assert notes[0].startswith(f'fasttorch: raised at File "{__file__}", line {_line(marker)}')
+    assert "still usable" in notes[-1]
+    state, _ = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")(state, batches(1, 8)[0])
+    assert int(state.step) == 1

@@ -208,24 +208,57 @@ def _direct_model():
     return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 
 
-@pytest.mark.parametrize(
-    ("mode", "donate"), [("eager", False), ("compiled", True), ("compiled", False)]
-)
-def test_a_loss_that_calls_the_model_instead_of_apply_is_refused(mode, donate):
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("donate", [True, False])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("target", ["model", "deepcopy"])
+def test_a_loss_that_calls_the_model_instead_of_apply_is_refused(target, mode, donate, accumulate):
     """model(x) trains the model's own tensors, which only a donated eager state
-    shares: elsewhere nothing would train (grad norm 0). The error says to use apply."""
+    shares: elsewhere nothing would train (grad norm 0); a copy of the model (the
+    tutorial's copy.deepcopy(model)) trains nothing anywhere. Refused in every mode,
+    the donated eager one included, before anything is written: the error says to use
+    apply, and the state stays usable."""
     model = _direct_model()
+    called = copy.deepcopy(model) if target == "deepcopy" else model
 
     def direct(apply, batch):
         x, y = batch
-        return nn.functional.mse_loss(model(x), y)
+        return nn.functional.mse_loss(called(x), y)
 
     state = fasttorch.TrainState.create(model, F.sgd(0.1))
-    step = fasttorch.step(direct, donate=donate)
+    before = {k: p.clone() for k, p in state.params.items()}
+    step = fasttorch.grad_accumulate(fasttorch.step(direct, donate=donate), accumulate)
     if mode == "compiled":
         step = fasttorch.compiled(step, backend="aot_eager")
+    with pytest.raises(
+        ValueError,
+        match=r"reached none of the state's parameters \(loss function "
+        r"'direct' never called apply\).*deepcopy.*apply\(x\)",
+    ):
+        step(state, _windows(1, 1)[0][0])
+    assert int(state.step) == 0
+    for k, p in state.params.items():
+        torch.testing.assert_close(p, before[k], **EXACT)  # the same tensors, unwritten
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_donated_eager_loss_whose_value_reaches_no_parameter_is_refused(accumulate):
+    """apply is called, but the loss is computed from a copy of the model: the donated
+    eager step (the module's own tensors, the .grad engine under grad_accumulate)
+    finds no parameter reached, as the other modes do, instead of training nothing."""
+    model = _direct_model()
+    other = copy.deepcopy(model)
+
+    def unused_apply(apply, batch):
+        x, y = batch
+        apply(x)
+        return nn.functional.mse_loss(other(x), y)
+
+    state = fasttorch.TrainState.create(model, F.sgd(0.1))
+    step = fasttorch.grad_accumulate(fasttorch.step(unused_apply), accumulate)
     with pytest.raises(ValueError, match=r"reached none of the state's parameters.*apply\(x\)"):
         step(state, _windows(1, 1)[0][0])
+    assert int(state.step) == 0  # refused before the update: still usable
 
 
 def test_a_loss_that_uses_one_part_of_the_model_directly_is_refused():
@@ -444,3 +477,89 @@ def test_one_accumulating_step_called_from_two_threads_gives_each_its_own_result
     for i in range(2):
         for name, p in expected[i].params.items():
             torch.testing.assert_close(got[i].params[name], p, **EXACT)
+
+
+# --------------------------------------------------------------------------- transforms
+
+
+def _watched(step):
+    """A user's transform, written as docs/transforms.md teaches: it reads the state's
+    step counter and a parameter before and after calling its inner update, and
+    reports what it saw as metrics (copies: the state's tensors may be donated)."""
+    inner = step.update
+
+    def update(state, g):
+        seen = {"step_before": state.step.clone(), "w_before": state.params["0.weight"].clone()}
+        new, metrics = inner(state, g)
+        seen.update(step_after=state.step.clone(), w_after=state.params["0.weight"].clone())
+        seen.update(step_new=new.step.clone(), w_new=new.params["0.weight"].clone())
+        return new, {**metrics, **seen}
+
+    return step.with_phases("watched", update=update)
+
+
+@pytest.mark.parametrize("amp", ["none", "fp16 inside", "fp16 outside"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("donate", [True, False])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_transform_sees_its_input_state_unchanged_after_its_inner_update(
+    mode, donate, accumulate, amp
+):
+    """The state a phase is given is a value: after the inner update returns it still
+    holds the old step count and parameters, eagerly as in a compiled step, donated or
+    not. (A donated eager step once updated it in place there, so that an average
+    written from the docs ran one step late.)"""
+    step = fasttorch.step(mse, donate=donate)
+    step = fasttorch.with_amp(step, "fp16") if amp == "fp16 inside" else step
+    step = _watched(step)
+    step = fasttorch.with_amp(step, "fp16") if amp == "fp16 outside" else step
+    step = fasttorch.grad_accumulate(step, accumulate)
+    assert not step.in_place_update  # a transform that does not say it reads nothing after
+    if mode == "compiled":
+        step = fasttorch.compiled(step, backend="aot_eager")
+    torch.manual_seed(0)
+    state = fasttorch.TrainState.create(_direct_model(), F.sgd(0.1, momentum=0.9))
+    for (batch,) in _windows(3, 1):
+        count, w = int(state.step), state.params["0.weight"].clone()
+        state, metrics = step(state, batch)
+        # Rule 1: each side is a copy of the same tensor, or the same update's result.
+        assert int(metrics["step_before"]) == int(metrics["step_after"]) == count
+        torch.testing.assert_close(metrics["w_before"], w, **EXACT)
+        torch.testing.assert_close(metrics["w_after"], w, **EXACT)
+        assert int(metrics["step_new"]) == int(state.step) == count + 1
+        torch.testing.assert_close(metrics["w_new"], state.params["0.weight"], **EXACT)
+        assert not torch.equal(metrics["w_new"], w)  # the update did change it
+
+
+def test_steps_of_the_library_transforms_still_update_in_place(monkeypatch):
+    """Their update phases read nothing of their input state after the inner one
+    (``phases.no_state_read_after_inner``): a donated eager step writes the optimizer's
+    results into the state's tensors directly, with no copy at the commit."""
+    step = mse_step = fasttorch.step(mse)
+    for wrap in (
+        lambda s: fasttorch.with_amp(s, "fp16"),
+        lambda s: fasttorch.clip_scaled(s, 1.0),
+        lambda s: fasttorch.skip_nonfinite(s),
+        lambda s: fasttorch.ema(s, 0.9),
+        lambda s: fasttorch.grad_accumulate(s, 2),
+    ):
+        step = wrap(step)
+        assert step.in_place_update, step.transforms
+    assert not _watched(fasttorch.step(mse)).in_place_update
+    assert not fasttorch.ema(_watched(fasttorch.step(mse)), 0.9).in_place_update
+    copied: list[torch.Tensor] = []  # what the eager commit copies into the state
+    commit_copy = fasttorch.state._copy_by_dtype
+    monkeypatch.setattr(
+        fasttorch.state, "_copy_by_dtype", lambda d, s: (copied.extend(d), commit_copy(d, s))
+    )
+    # No skip flag (with_amp's fp16, skip_nonfinite), which updates out of place anyway.
+    plain = fasttorch.grad_accumulate(fasttorch.ema(fasttorch.clip_scaled(mse_step, 1.0), 0.9), 2)
+    for s, in_place in ((plain, True), (_watched(mse_step), False)):
+        torch.manual_seed(0)
+        state = fasttorch.TrainState.create(_direct_model(), F.sgd(0.1))
+        w = state.params["0.weight"]
+        copied.clear()
+        for (batch,) in _windows(2, 1):
+            state, _ = s(state, batch)
+        assert state.params["0.weight"] is w
+        assert any(t is w for t in copied) is not in_place, s.transforms

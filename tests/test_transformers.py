@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 from reference import assert_buffers_close, assert_params_close, reference_run  # noqa: E402
-from tolerance import loss_atol, params_atol, reference_error  # noqa: E402
+from tolerance import loss_atol, params_atol, reference_error, split_mean_atol  # noqa: E402
 
 import fasttorch  # noqa: E402
 
@@ -128,3 +128,29 @@ def test_causal_lm_matches_the_reference_loop(make, precision, mode):
         trained = copy.deepcopy(model)
         trained.load_state_dict({**state.params, **state.buffers}, strict=False)
         assert trained.lm_head.weight is trained.transformer.wte.weight
+
+
+def test_the_models_own_loss_compiles_once_its_loss_type_is_set():
+    """``apply(input_ids=ids, labels=ids).loss`` under compiled, as docs/translation.md
+    shows it. GPT-2's class names no ``loss_type``; transformers 5.x then warns from
+    inside the forward (``logger.warning_once``), which dynamo refuses, unless the
+    model's ``loss_type`` is set first."""
+    torch.manual_seed(0)
+    model = gpt2()
+    model.loss_type = "ForCausalLM"  # what docs/translation.md says to set
+
+    def own_loss(apply, ids):
+        return apply(input_ids=ids, labels=ids).loss
+
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # the same mean, from the logits, before the update
+        logits = model(input_ids=ids).logits[:, :-1].flatten(0, 1).float()
+        terms = torch.nn.functional.cross_entropy(logits, ids[:, 1:].flatten(), reduction="none")
+    state = fasttorch.TrainState.create(model, fasttorch.optim.sgd(LR))
+    step = fasttorch.compiled(fasttorch.step(own_loss), backend="aot_eager")
+    state, metrics = step(state, ids)
+    assert int(state.step) == 1
+    # Rule 3: one mean of the same terms, summed in two orders.
+    terms = terms / terms.numel()
+    atol = split_mean_atol(terms)
+    torch.testing.assert_close(metrics["loss"], terms.sum(), rtol=0, atol=atol)

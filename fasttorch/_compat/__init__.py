@@ -39,6 +39,7 @@ from fasttorch._compat.distributed import (
     fsdp_keeps_params_after_forward,
 )
 from fasttorch._compat.dynamo import (
+    TracedError,
     compile_backends,
     compile_phase_seconds,
     compile_settings,
@@ -57,6 +58,7 @@ from fasttorch._compat.dynamo import (
     recompile_budget_enforced,
     recompile_limit_hit,
     save_precompiled,
+    traced_error,
     tracing_autograd_ops,
 )
 from fasttorch._compat.functorch import (
@@ -91,6 +93,7 @@ __all__ = [
     "CudagraphVerdict",
     "CustomGraphPass",
     "DcpMetadataUnpickler",
+    "TracedError",
     "amp_update_scale",
     "assert_async",
     "autograd_profiler_enabled",
@@ -134,6 +137,7 @@ __all__ = [
     "repr_context",
     "save_precompiled",
     "tensor_version",
+    "traced_error",
     "tracing_autograd_ops",
     "use_inductor_cache_dir",
     "with_cacheable_autocast",

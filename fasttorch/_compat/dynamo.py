@@ -7,11 +7,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 __all__ = [
+    "TracedError",
     "compile_backends",
     "compile_phase_seconds",
     "compile_settings",
@@ -30,6 +31,7 @@ __all__ = [
     "recompile_budget_enforced",
     "recompile_limit_hit",
     "save_precompiled",
+    "traced_error",
     "tracing_autograd_ops",
 ]
 
@@ -78,7 +80,7 @@ def compiled_in_place(module: Any) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
-def is_compile_error(err: BaseException) -> bool:
+def is_compile_error(err: BaseException | None) -> bool:
     """Whether ``err`` is dynamo's or its backend's, raised while compiling a frame.
 
     Why: ``compiled(regions="auto")`` compiles a step again without regions when the
@@ -89,6 +91,47 @@ def is_compile_error(err: BaseException) -> bool:
     """
     base = getattr(getattr(torch._dynamo, "exc", None), "TorchDynamoException", None)
     return isinstance(base, type) and isinstance(err, base)
+
+
+class TracedError(NamedTuple):
+    """An error of the traced code that dynamo wrapped: see :func:`traced_error`."""
+
+    kind: type[BaseException] | None  # the traced code's exception type; None: unknown
+    message: str
+    frames: list[Any]  # traceback.FrameSummary, outermost first
+
+
+def traced_error(err: BaseException) -> TracedError | None:
+    """The traced code's own error inside dynamo's ``err``, and the traced frames.
+
+    Why: an error of the traced code itself (a float label to ``cross_entropy``, a
+    shape mismatch, a ``raise`` in the loss function) reaches the caller as dynamo's
+    ``TorchRuntimeError`` or ``Unsupported`` ("observed exception"): forty lines whose
+    cause is buried. The original exception is on the chain of contexts (a fake-tensor
+    run's), or only its type and repr are (an "observed" one: the private
+    ``torch._dynamo.exc.observed_exception_map`` gives its type back); the traced
+    code's stack is the wrappers' ``real_stack`` (a ``traceback.StackSummary``).
+    ``kind`` is ``None`` for what dynamo refuses itself (an unsupported construct).
+    ``None`` when ``err`` is not dynamo's.
+    """
+    if not is_compile_error(err):
+        return None
+    frames = list(getattr(err, "real_stack", None) or [])
+    observed = getattr(getattr(torch._dynamo, "exc", None), "observed_exception_map", {})
+    kinds = {v: k for k, v in observed.items()} if isinstance(observed, dict) else {}
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if not is_compile_error(cause):
+            return TracedError(type(cause), str(cause), frames)
+        kind = kinds.get(type(cause))
+        if kind is not None:
+            text = str(cause.args[0]) if cause.args else ""
+            return TracedError(kind, text.removeprefix("raised exception "), frames)
+        cause = cause.__cause__ or cause.__context__
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return TracedError(None, first, frames)
 
 
 def compile_backends() -> tuple[str, ...]:

@@ -11,6 +11,7 @@ from fasttorch.phases import (
     GradOut,
     Metrics,
     global_norm,
+    no_state_read_after_inner,
     opaque_update,
     reciprocal,
     scale_grads,
@@ -71,6 +72,7 @@ def clip_scaled(step: Step, max_norm: float) -> Step:
     inner = step.update
     limit = float(max_norm)
 
+    @no_state_read_after_inner
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         opaque = opaque_update(state, g.donated)
         inv = None if g.scale is None else reciprocal(g.scale)

@@ -43,6 +43,7 @@ from fasttorch.transforms._inductor_options import (
     _without_cpu_only_passes,
     probe_cpu_isa_early,
 )
+from fasttorch.transforms._traced_errors import user_error
 
 __all__ = ["Compiler", "compile_step_fn", "compiled"]
 
@@ -407,7 +408,13 @@ def compile_step_fn(
                 compiled_fn = kept(fn, mine, describe(fn), opts, where, args, kwargs, compiled_fn)
             if uses_cudagraphs(opts) and not _on_cpu((args, kwargs)):
                 with _compat.recompile_budget(limit):
-                    return _first_graph_call(compiled_fn, fn, args, kwargs, static_state)
+                    try:
+                        return _first_graph_call(compiled_fn, fn, args, kwargs, static_state)
+                    except Exception as err:
+                        clear = user_error(err)
+                        if clear is not None:  # as below
+                            raise clear from err
+                        raise
         if static_state:
             _compat.mark_static_addresses(kept_leaves(args))
         with _compat.tracing_autograd_ops(), _compat.recompile_budget(limit):
@@ -421,6 +428,9 @@ def compile_step_fn(
                     raise recompiles.limit_error(err) from err
                 error = _compat.cpp_compile_error(err)
                 if error is None or not _separate_build_is_ours(options, opts):
+                    clear = user_error(err)
+                    if clear is not None:  # the user's own error, dynamo's report its cause
+                        raise clear from err
                     raise
                 # One graph (fullgraph), which failed to build: nothing ran, the inputs
                 # are untouched, and the same call can be made again.

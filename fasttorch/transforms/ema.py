@@ -9,7 +9,7 @@ import torch
 
 from fasttorch import _checks, struct
 from fasttorch._checks import warn_once
-from fasttorch.phases import GradOut, Metrics, Tensors
+from fasttorch.phases import GradOut, Metrics, Tensors, no_state_read_after_inner
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, check_wrap
 from fasttorch.substates import SubState
@@ -267,6 +267,8 @@ def ema(
             d = torch.where(t < copies, 0.0, d)
         return d
 
+    @no_state_read_after_inner
+    @no_state_read_after_inner  # reads its own sub-state, which the inner update leaves
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         old: EmaState = state.substates[KEY]
         # The optimizer's own count of applied updates: unchanged where the update was

@@ -34,7 +34,10 @@ def grad_accumulate(step: Step, n: int, *, across_calls: bool = False) -> Step:
     * ``across_calls=True``: each call gets one microbatch; calls ``1..n-1`` only
       accumulate (into ``state.substates["grad_accumulate"]``), call ``n`` updates, as
       Lightning's ``accumulate_grad_batches``. Non-updating calls return
-      ``metrics = {"loss": ...}`` for their microbatch only.
+      ``metrics = {"loss": ...}`` for their microbatch only; the updating call's
+      ``metrics["loss"]`` is the window's mean (its ``n`` microbatch losses weighted
+      by their counts), not its own microbatch's loss, which a script logging
+      ``loss.item()`` beside ``opt.step()`` reports.
 
     Under ``compiled`` the microbatch is one graph reused ``n`` times, and the last
     microbatch plus the update is the other: the loop is never unrolled.

@@ -11,6 +11,7 @@ from fasttorch.phases import (
     GradOut,
     Metrics,
     mark_skip,
+    no_state_read_after_inner,
     opaque_update,
     unscaled_norm,
 )
@@ -111,12 +112,17 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 20) -> Step:
 
     Equivalent to::
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
-        if torch.isfinite(grad_norm):
-            opt.step(); in_a_row = 0
-        else:
-            in_a_row += 1; total += 1
-            if in_a_row >= max_consecutive: raise FloatingPointError(...)
+        for batch in loader:
+            if in_a_row >= max_consecutive:  # checked before the call runs
+                raise FloatingPointError(...)
+            loss_fn(model, batch).backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
+            if torch.isfinite(grad_norm):
+                opt.step(); in_a_row = 0
+            else:
+                in_a_row += 1; total += 1
+            opt.zero_grad(set_to_none=True)
+            step += 1  # skipped updates count: a schedule reads the step
 
     Args:
         step: a step built by :func:`fasttorch.step`, possibly transformed.
@@ -149,6 +155,7 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 20) -> Step:
         )
     inner = step.update
 
+    @no_state_read_after_inner
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         counts: NonFiniteState = state.substates[KEY]
         norm = unscaled_norm(g, opaque=opaque_update(state, g.donated))

@@ -21,6 +21,7 @@ from fasttorch.phases import (
     Metrics,
     Tensors,
     mark_skip,
+    no_state_read_after_inner,
     opaque_update,
     unscaled_norm,
 )
@@ -293,6 +294,7 @@ def with_amp(
         scale = state.substates[KEY].scale
         return inner_grad(loss, state, batch, mult * scale).replace(scale=scale)
 
+    @no_state_read_after_inner
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         ls: LossScaleState = state.substates[KEY]
         norm = unscaled_norm(g, opaque=opaque_update(state, g.donated))
