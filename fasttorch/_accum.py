@@ -15,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fasttorch import struct
-from fasttorch._tree import describe
+from fasttorch._tree import add_weighted_aux, describe
 from fasttorch.phases import Batch, GradOut, Tensors
 
 __all__ = [
@@ -151,3 +151,25 @@ def split(batch: Batch, n: int, api: str) -> list[Batch]:
         for x in leaves
     ]
     return [pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(n)]
+
+
+class Sums:
+    """What the ``.grad`` engine sums over a window besides the gradients themselves."""
+
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        self.dtype = dtype  # the loss sum's dtype; None: that of value * weight
+        self.value: torch.Tensor | None = None  # sum of value * weight
+        self.weight: torch.Tensor | None = None  # sum of the weights
+        self.aux: Any = None  # sum of aux * weight
+        self.count = 0
+
+    def add(self, g: GradOut) -> None:
+        """Add one microbatch's loss, weight and ``aux`` (running sums, in order)."""
+        vw = (g.value if self.dtype is None else g.value.to(self.dtype)) * g.weight
+        if self.value is None or self.weight is None:
+            self.value, self.weight = vw, g.weight.clone()
+        else:
+            self.value.add_(vw)
+            self.weight.add_(g.weight)
+        self.aux = add_weighted_aux(self.aux, g.aux, g.weight)
+        self.count += 1

@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
+
+from fasttorch import _compat
 
 __all__ = ["CallScope", "Progress", "begin", "current", "scope"]
 
@@ -73,3 +75,26 @@ def scope(**changes: Any) -> Iterator[CallScope]:
         yield new
     finally:
         _SCOPE.reset(token)
+
+
+def kernel_ran(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, a compiled kernel, noting in the call scope that it may have written.
+
+    A kernel that ran, or failed while running, may have written into the donated
+    state (a counter's increment scheduled before the failing kernel). One that the
+    compiler refused (a trace or compile error, a shape error found while tracing)
+    ran nothing: the call scope is left as it was.
+    """
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException as e:
+            # compiled re-raises the user's own error found while tracing from dynamo's
+            if not (_compat.is_compile_error(e) or _compat.is_compile_error(e.__cause__)):
+                begin()
+            raise
+        begin()
+        return out
+
+    return run

@@ -141,3 +141,65 @@ def divide_aux(total: Any, w: torch.Tensor) -> Any:
 
 def _is_float(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def check_batch(
+    batch: Batch, device: torch.device, api: str, params: dict[str, torch.Tensor] | None = None
+) -> None:
+    """Raise a clear error for batch leaves that are not tensors on ``device``.
+
+    With ``params``, also for an empty batch (a leading dimension of 0 in its first
+    tensor, the one whose size is the default sample count) and for floating tensors
+    wider than every parameter (a float64 batch for float32 parameters). Both are
+    host-side checks of metadata: nothing is read from the device.
+    """
+    leaves, _ = pytree.tree_flatten_with_path(batch)
+    if not leaves:
+        raise TypeError(f"{api}: the batch holds no tensors (got {describe(batch)})")
+    sized = False
+    for path, x in leaves:
+        where = f"batch{pytree.keystr(path)}"
+        if x is None:
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"{api}: {where} is a {type(x).__name__}; every leaf of the batch must be "
+                f"a tensor (the batch is {describe(batch)}). Convert it with "
+                "torch.as_tensor, or keep configuration out of the batch"
+            )
+        if x.device != device:
+            raise ValueError(
+                f"{api}: {where} is on {x.device} but the state is on {device}; move "
+                "the batch to the state's device first (batch.to(device, non_blocking=True))"
+            )
+        if params is None:
+            continue
+        if not sized and x.ndim > 0:
+            sized = True
+            if x.shape[0] == 0:
+                raise ValueError(
+                    f"{api}: {where} has 0 rows (the batch is {describe(batch)}): an empty "
+                    "batch would still apply an update (weight decay, momentum, the step "
+                    "count). Skip empty batches before calling the step"
+                )
+        if x.is_floating_point():
+            _check_width(x, where, params, batch, api)
+
+
+def _check_width(
+    x: torch.Tensor, where: str, params: dict[str, torch.Tensor], batch: Batch, api: str
+) -> None:
+    """Raise if floating ``x`` is wider than every parameter (one comparison as a rule)."""
+    first = next(iter(params.values()))
+    if x.dtype.itemsize <= first.dtype.itemsize:
+        return
+    dtypes = {p.dtype for p in params.values()}
+    if x.dtype in dtypes or all(x.dtype.itemsize <= d.itemsize for d in dtypes):
+        return
+    names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+    raise ValueError(
+        f"{api}: {where} is {str(x.dtype).removeprefix('torch.')} but the parameters are "
+        f"{names} (the batch is {describe(batch)}); a batch wider than the parameters "
+        "fails inside the model (in a compiled step, as an error from generated code) or "
+        f"computes in the wider type. Convert the batch first: x.to({first.dtype})"
+    )

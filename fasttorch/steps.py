@@ -35,6 +35,7 @@ from fasttorch._checks import warn_once
 from fasttorch._module import restore_training
 from fasttorch._reached import unreached_error
 from fasttorch._rng import scoped_rng
+from fasttorch._tree import check_batch
 from fasttorch.optim._base import check_matches
 from fasttorch.phases import (
     Batch,
@@ -45,7 +46,6 @@ from fasttorch.phases import (
     LossPhase,
     Metrics,
     UpdatePhase,
-    describe,
     global_norm,
     grad_phase,
     loss_phase,
@@ -53,6 +53,7 @@ from fasttorch.phases import (
     scale_grads,
     update_phase,
 )
+from fasttorch.population import is_population, refuse_population
 from fasttorch.state import (
     AFTER_FAILURE,
     TrainState,
@@ -303,68 +304,6 @@ def check_signature(loss_fn: Callable[..., Any], name: str) -> None:
         ) from None
 
 
-def check_batch(
-    batch: Batch, device: torch.device, api: str, params: dict[str, torch.Tensor] | None = None
-) -> None:
-    """Raise a clear error for batch leaves that are not tensors on ``device``.
-
-    With ``params``, also for an empty batch (a leading dimension of 0 in its first
-    tensor, the one whose size is the default sample count) and for floating tensors
-    wider than every parameter (a float64 batch for float32 parameters). Both are
-    host-side checks of metadata: nothing is read from the device.
-    """
-    leaves, _ = pytree.tree_flatten_with_path(batch)
-    if not leaves:
-        raise TypeError(f"{api}: the batch holds no tensors (got {describe(batch)})")
-    sized = False
-    for path, x in leaves:
-        where = f"batch{pytree.keystr(path)}"
-        if x is None:
-            continue
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(
-                f"{api}: {where} is a {type(x).__name__}; every leaf of the batch must be "
-                f"a tensor (the batch is {describe(batch)}). Convert it with "
-                "torch.as_tensor, or keep configuration out of the batch"
-            )
-        if x.device != device:
-            raise ValueError(
-                f"{api}: {where} is on {x.device} but the state is on {device}; move "
-                "the batch to the state's device first (batch.to(device, non_blocking=True))"
-            )
-        if params is None:
-            continue
-        if not sized and x.ndim > 0:
-            sized = True
-            if x.shape[0] == 0:
-                raise ValueError(
-                    f"{api}: {where} has 0 rows (the batch is {describe(batch)}): an empty "
-                    "batch would still apply an update (weight decay, momentum, the step "
-                    "count). Skip empty batches before calling the step"
-                )
-        if x.is_floating_point():
-            _check_width(x, where, params, batch, api)
-
-
-def _check_width(
-    x: torch.Tensor, where: str, params: dict[str, torch.Tensor], batch: Batch, api: str
-) -> None:
-    """Raise if floating ``x`` is wider than every parameter (one comparison as a rule)."""
-    first = next(iter(params.values()))
-    if x.dtype.itemsize <= first.dtype.itemsize:
-        return
-    dtypes = {p.dtype for p in params.values()}
-    if x.dtype in dtypes or all(x.dtype.itemsize <= d.itemsize for d in dtypes):
-        return
-    names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
-    raise ValueError(
-        f"{api}: {where} is {str(x.dtype).removeprefix('torch.')} but the parameters are "
-        f"{names} (the batch is {describe(batch)}); a batch wider than the parameters "
-        "fails inside the model (in a compiled step, as an error from generated code) or "
-        f"computes in the wider type. Convert the batch first: x.to({first.dtype})"
-    )
-
-
 def check_wrap(step: Any, transform: str) -> None:
     """Raise at wrap time if ``transform`` cannot wrap ``step``; see docs/composition.md."""
     if not isinstance(step, Step):
@@ -455,25 +394,8 @@ def _device_lock(device: torch.device) -> threading.RLock:
     return lock
 
 
-def _stacked(state: TrainState) -> bool:
-    """Whether a sub-state says every leaf, ``rng`` included, is stacked by member."""
-    return any(getattr(s, "stacks_members", False) for s in state.substates.values())
-
-
-def _refuse_population(step: Step, state: TrainState) -> None:
-    """Raise if a step that trains one model is given a population (stacked members)."""
-    if _stacked(state) and "vmapped" not in step.transforms:
-        n = state.step.shape[0] if state.step.dim() else "n"
-        raise ValueError(
-            f"step {step.name!r} trains one model, but the state is a population of {n} "
-            f"members (every tensor stacked along a leading dimension of {n}). Wrap the "
-            f"step: fasttorch.vmapped(step, {n}) trains every member in one call; or train "
-            "one member alone: fasttorch.member(population, i)"
-        )
-
-
 def _run_locked(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-    _refuse_population(step, state)
+    refuse_population(step.name, step.transforms, state)
     for hook in step.hooks:
         hook.before(step, state)
     device = state.device
@@ -491,7 +413,7 @@ def _run_locked(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState
     try:
         with (
             _scope.scope(in_place=step.donate, progress=progress),
-            scoped_rng(state.rng, device, install=not _stacked(state)) as rng_now,
+            scoped_rng(state.rng, device, install=not is_population(state)) as rng_now,
         ):
             new, metrics = step.runner(step, state, batch)
             rng = rng_now()

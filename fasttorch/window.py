@@ -28,10 +28,11 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from fasttorch import _compat, _opaque, _scope
+from fasttorch import _opaque, _scope
 from fasttorch._accum import (
     KEY,
     AccumState,
+    Sums,
     accumulate,
     empty_window,
     meet_unused,
@@ -154,7 +155,7 @@ def kernel(
     if fn is None:
         fn = step.jit(make(), cpp_wrapper=cpp_wrapper)
         if step.jit is not eager:
-            fn = _begins(fn)
+            fn = _scope.kernel_ran(fn)
         cache[name] = fn
     return fn
 
@@ -163,29 +164,6 @@ def memo(step: Step, name: str) -> dict[str, Any]:
     """A dict owned by ``step`` for ``name``: buffers a window reuses across calls."""
     memos: dict[str, dict[str, Any]] = step.__dict__.setdefault("_memos", {})
     return memos.setdefault(name, {})
-
-
-def _begins(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn``, a compiled kernel, noting in the call scope that it may have written.
-
-    A kernel that ran, or failed while running, may have written into the donated
-    state (a counter's increment scheduled before the failing kernel). One that the
-    compiler refused (a trace or compile error, a shape error found while tracing)
-    ran nothing: the call scope is left as it was.
-    """
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        try:
-            out = fn(*args, **kwargs)
-        except BaseException as e:
-            # compiled re-raises the user's own error found while tracing from dynamo's
-            if not (_compat.is_compile_error(e) or _compat.is_compile_error(e.__cause__)):
-                _scope.begin()
-            raise
-        _scope.begin()
-        return out
-
-    return run
 
 
 def apply_update(step: Step, state: TrainState, g: GradOut) -> Result:
@@ -408,28 +386,6 @@ def _close(
 
 
 # --------------------------------------------------------------------------- in .grad
-
-
-class Sums:
-    """What the ``.grad`` engine sums over a window besides the gradients themselves."""
-
-    def __init__(self, dtype: torch.dtype | None) -> None:
-        self.dtype = dtype  # the loss sum's dtype; None: that of value * weight
-        self.value: torch.Tensor | None = None  # sum of value * weight
-        self.weight: torch.Tensor | None = None  # sum of the weights
-        self.aux: Any = None  # sum of aux * weight
-        self.count = 0
-
-    def add(self, g: GradOut) -> None:
-        """Add one microbatch's loss, weight and ``aux`` (running sums, in order)."""
-        vw = (g.value if self.dtype is None else g.value.to(self.dtype)) * g.weight
-        if self.value is None or self.weight is None:
-            self.value, self.weight = vw, g.weight.clone()
-        else:
-            self.value.add_(vw)
-            self.weight.add_(g.weight)
-        self.aux = add_weighted_aux(self.aux, g.aux, g.weight)
-        self.count += 1
 
 
 class InModule:

@@ -35,6 +35,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fasttorch import _compat
+from fasttorch._accum import Sums
 from fasttorch._checks import warn_once
 from fasttorch._engine import IntoGrad
 from fasttorch._module import imported_class
@@ -47,7 +48,7 @@ from fasttorch.distributed.reducer import (
 )
 from fasttorch.phases import GradOut, Tensors, reciprocal, skip_empty_window
 from fasttorch.state import TrainState, local_tensor, reshard
-from fasttorch.window import InModule, Step, Sums
+from fasttorch.window import InModule, Step
 
 if TYPE_CHECKING:  # imported by the program that shards (import fasttorch leaves it out)
     from torch.distributed.tensor import DTensor

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from fasttorch import _compat
+from fasttorch import _checks, _compat
 from fasttorch._checks import warn_once
 from fasttorch.transforms._cpu_gemm import CpuGemm, HalfGemmInFloat32, half_gemm_dtypes
 
@@ -246,3 +246,29 @@ def _with_cacheable_autocast(options: dict[str, Any]) -> dict[str, Any]:
         return options
     inner = _compat.with_cacheable_autocast(dict(options.get("options") or {}))
     return {**options, "options": inner}
+
+
+def check_arguments(mode: object, backend: object, fullgraph: object, dynamic: object) -> None:
+    """Raise now for a mode or backend torch.compile does not know: its first call would.
+
+    That first call is the step's, after the state was given to it (and donated).
+    """
+    _checks.flag("compiled", "fullgraph", fullgraph)
+    if dynamic is not None:
+        _checks.flag("compiled", "dynamic", dynamic)
+    if mode is not None:
+        modes = _compat.compile_modes()
+        if mode not in modes:
+            raise ValueError(
+                f"compiled: unknown mode={mode!r}; torch.compile's modes are "
+                f"{', '.join(map(repr, modes))} (or None)"
+            )
+    if callable(backend):
+        return
+    backends = _compat.compile_backends()
+    if backend not in backends:
+        raise ValueError(
+            f"compiled: unknown backend={backend!r}; torch.compile knows "
+            f"{', '.join(map(repr, backends))}, or pass a backend function (register a "
+            "named one with torch._dynamo.register_backend before calling compiled)"
+        )

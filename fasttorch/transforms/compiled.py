@@ -41,6 +41,7 @@ from fasttorch.transforms._inductor_options import (
     _with_cpu_gemm,
     _with_fusion_cap,
     _without_cpu_only_passes,
+    check_arguments,
     probe_cpu_isa_early,
 )
 from fasttorch.transforms._traced_errors import user_error
@@ -205,7 +206,7 @@ def compiled(
         given.update(backend=backend, options=options, cpu_gemm=cpu_gemm, cache_dir=cache_dir)
         given["regions"] = _regions.check_option(regions, transforms=(), several=True)
         return step.map_steps(lambda s: compiled(s, **given, recompile_limit=recompile_limit))
-    _check_arguments(mode, backend, fullgraph, dynamic)
+    check_arguments(mode, backend, fullgraph, dynamic)
     _checks.count(
         "compiled",
         "recompile_limit",
@@ -266,32 +267,6 @@ def compiled(
 
     run.__fasttorch_compiled__ = True  # type: ignore[attr-defined]
     return run
-
-
-def _check_arguments(mode: object, backend: object, fullgraph: object, dynamic: object) -> None:
-    """Raise now for a mode or backend torch.compile does not know: its first call would.
-
-    That first call is the step's, after the state was given to it (and donated).
-    """
-    _checks.flag("compiled", "fullgraph", fullgraph)
-    if dynamic is not None:
-        _checks.flag("compiled", "dynamic", dynamic)
-    if mode is not None:
-        modes = _compat.compile_modes()
-        if mode not in modes:
-            raise ValueError(
-                f"compiled: unknown mode={mode!r}; torch.compile's modes are "
-                f"{', '.join(map(repr, modes))} (or None)"
-            )
-    if callable(backend):
-        return
-    backends = _compat.compile_backends()
-    if backend not in backends:
-        raise ValueError(
-            f"compiled: unknown backend={backend!r}; torch.compile knows "
-            f"{', '.join(map(repr, backends))}, or pass a backend function (register a "
-            "named one with torch._dynamo.register_backend before calling compiled)"
-        )
 
 
 def uses_cudagraphs(options: dict[str, Any]) -> bool:

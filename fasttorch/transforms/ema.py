@@ -267,7 +267,6 @@ def ema(
             d = torch.where(t < copies, 0.0, d)
         return d
 
-    @no_state_read_after_inner
     @no_state_read_after_inner  # reads its own sub-state, which the inner update leaves
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         old: EmaState = state.substates[KEY]
