@@ -8,7 +8,6 @@ under the sub-state :data:`KEY`, so that under ``compiled`` they are graph input
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -71,13 +70,46 @@ class Peers:
                 f"member {owner!r}'s loss function asked for models[{name!r}], but the other "
                 f"members are {sorted(views)}: {hint}"
             )
-        return functools.partial(_forward, views[name])
+        return Peer(views[name])
 
     def __contains__(self, name: str) -> bool:
         return name in self._others.views
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._others.views)
+
+
+class Peer:
+    """Another member as a loss function reads it: ``peer(x)`` runs it, ``peer.params``.
+
+    ``params`` and ``buffers`` are its current tensors, detached (read-only for this
+    loss: no gradient flows into another member's parameters); for a ``Frozen``
+    member, ``params`` are its parameters and ``buffers`` its buffers.
+    """
+
+    def __init__(self, view: View) -> None:
+        self._view = view
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _forward(self._view, *args, **kwargs)
+
+    @property
+    def params(self) -> Tensors:
+        """The member's parameters by name, detached."""
+        v = self._view
+        if not v.params:  # a Frozen member: its parameters among its tensors
+            names = {n for n, _ in v.module.named_parameters()}
+            return {k: t.detach() for k, t in v.buffers.items() if k in names}
+        return {k: p.detach() for k, p in v.params.items()}
+
+    @property
+    def buffers(self) -> Tensors:
+        """The member's buffers by name (BatchNorm statistics), detached."""
+        v = self._view
+        if not v.params:
+            names = {n for n, _ in v.module.named_parameters()}
+            return {k: t.detach() for k, t in v.buffers.items() if k not in names}
+        return {k: b.detach() for k, b in v.buffers.items()}
 
 
 def _forward(view: View, *args: Any, **kwargs: Any) -> Any:
