@@ -35,10 +35,16 @@ class View(struct.Record):
 
 
 class Others(struct.Record):
-    """The sub-state (:data:`KEY`) that carries the other members into a member's step."""
+    """The sub-state (:data:`KEY`) that carries the other members into a member's step.
+
+    ``outputs``: the shared forwards' outputs of this call, by name (detached);
+    ``mine``: the names of those this member owns (its gradient flows through them).
+    """
 
     views: dict[str, View]
     owner: str = struct.field(static=True)
+    outputs: dict[str, torch.Tensor] = struct.field(default_factory=dict)
+    mine: tuple[str, ...] = struct.field(static=True, default=())
 
 
 class UnknownMemberError(KeyError):
@@ -54,8 +60,18 @@ class Peers:
     are detached: a gradient flows through the forward to ``x``, never into them.
     """
 
-    def __init__(self, others: Others) -> None:
+    def __init__(self, others: Others, outputs: Tensors | None = None) -> None:
         self._others = others
+        self._outputs = others.outputs if outputs is None else outputs
+
+    @property
+    def outputs(self) -> Mapping[str, torch.Tensor]:
+        """The outputs of this call's shared forwards (``several(outputs=...)``), by name.
+
+        Computed once at the start of the call. The member that owns one gets it with
+        its gradient path into its own parameters; the others read it as a constant.
+        """
+        return _Outputs(self._outputs, self._others.owner)
 
     def __getitem__(self, name: str) -> Callable[..., Any]:
         views = self._others.views
@@ -110,6 +126,26 @@ class Peer:
             names = {n for n, _ in v.module.named_parameters()}
             return {k: t.detach() for k, t in v.buffers.items() if k not in names}
         return {k: b.detach() for k, b in v.buffers.items()}
+
+
+class _Outputs(Mapping[str, torch.Tensor]):
+    def __init__(self, outputs: Tensors, owner: str) -> None:
+        self._outputs, self._owner = outputs, owner
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._outputs:
+            raise UnknownMemberError(
+                f"member {self._owner!r}'s loss function asked for models.outputs[{name!r}], "
+                f"but this call's shared forwards are {sorted(self._outputs)}: declare it "
+                "as several({...}, outputs={name: (member, forward_fn)})"
+            )
+        return self._outputs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._outputs)
+
+    def __len__(self) -> int:
+        return len(self._outputs)
 
 
 def _forward(view: View, *args: Any, **kwargs: Any) -> Any:

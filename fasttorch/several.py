@@ -34,6 +34,15 @@ from fasttorch._peers import (
     view,
     warn_captured,
 )
+from fasttorch._shared_forward import (
+    FORWARD_KEY,
+    PREFIX,
+    Forward,
+    Pending,
+    Request,
+    owner_grads,
+    run_forwards,
+)
 from fasttorch._shared_scale import SharedScale
 from fasttorch.evaluation import eval_step as _eval_step
 from fasttorch.models import Frozen, Member, Models, consume
@@ -108,6 +117,9 @@ def model_step(
     inner = loss_phase(call)
 
     def loss(state: TrainState, params: Tensors, buffers: Tensors, batch: Batch) -> Loss:
+        request: Request | None = state.substates.get(FORWARD_KEY)
+        if request is not None:  # several runs a shared forward through this phase
+            return request.run(state, params, buffers, batch)
         others = state.substates.get(KEY)
         if others is None:
             raise ValueError(
@@ -115,12 +127,29 @@ def model_step(
                 "models): run it inside fasttorch.several({...}) over a fasttorch.Models "
                 "state, or build a one-model step with fasttorch.step(loss_fn)"
             )
+        outputs = None
+        if others.mine:  # the outputs it owns are differentiated as extra "parameters"
+            outputs = {**others.outputs}
+            outputs.update((k[len(PREFIX) :], v) for k, v in params.items() if k[:1] == "\x00")
+            params = {k: v for k, v in params.items() if k[:1] != "\x00"}
         # The data first: the default sample count is its first tensor's leading size.
-        return inner(state, params, buffers, (batch, Peers(others)))
+        return inner(state, params, buffers, (batch, Peers(others, outputs)))
+
+    def grad(loss: Any, state: TrainState, batch: Batch, mult: Any) -> Any:
+        others = state.substates.get(KEY)
+        if others is None or not others.mine:
+            return grad_phase(loss, state, batch, mult)
+        return owner_grads(
+            lambda s: grad_phase(loss, s, batch, mult),
+            state,
+            others.owner,
+            others.mine,
+            others.outputs,
+        )
 
     return Step(
         loss=loss,
-        grad=grad_phase,
+        grad=grad,
         update=update_phase,
         name=name,
         doc=getattr(loss_fn, "__doc__", None),
@@ -153,6 +182,7 @@ class Several:
     steps: tuple[tuple[str, Step], ...]
     name: str
     share_loss_scale: bool = False
+    outputs: tuple[tuple[str, Forward], ...] = ()
 
     def __attrs_post_init__(self) -> None:
         self.__dict__["__name__"] = self.__dict__["__qualname__"] = self.name
@@ -216,7 +246,12 @@ class Several:
         return evaluate
 
 
-def several(steps: Mapping[str, Step], *, share_loss_scale: bool = False) -> Several:
+def several(
+    steps: Mapping[str, Step],
+    *,
+    share_loss_scale: bool = False,
+    outputs: Mapping[str, tuple[str, Callable[[Callable[..., Any], Batch], Any]]] | None = None,
+) -> Several:
     """One step over several models: each member's step in turn, within one call.
 
     ``steps`` maps each trained member of a :class:`Models` state to its step (from
@@ -237,6 +272,15 @@ def several(steps: Mapping[str, Step], *, share_loss_scale: bool = False) -> Sev
             g_loss = g_loss_fn(g, batch, {"d": d})
         g_loss.backward(); g_opt.step(); g_opt.zero_grad()
 
+    ``outputs={"fake": ("g", make_fake)}`` runs a forward that several members read once
+    per call, as the plain loop's ``fake = G(z)``: at the start of the call
+    ``make_fake(apply, batch)`` runs member ``"g"``'s forward (its BatchNorm statistics
+    updated once, under its step's autocast), and every member's loss reads the result
+    as ``models.outputs["fake"]``. The owner's loss gets it with its gradient path: the
+    backward of its loss goes through ``fake`` into its parameters, through the graph of
+    that one forward (``errG.backward()`` in the plain loop), not a second forward. The
+    others get it as a constant (``fake.detach()``).
+
     With ``with_amp(step, "fp16")`` each member keeps its own loss scale (the loop with a
     ``GradScaler`` per optimizer); ``share_loss_scale=True`` gives them one, as one
     ``GradScaler`` for both optimizers: every member's step in a call uses the scale as
@@ -247,14 +291,18 @@ def several(steps: Mapping[str, Step], *, share_loss_scale: bool = False) -> Sev
     Args:
         steps: member name -> step, in the order they run.
         share_loss_scale: one fp16 loss scale for all members (each needs ``with_amp``).
+        outputs: name -> ``(member, fn)``: shared forwards, ``fn(apply, batch)`` with
+            ``apply`` the member's forward; its step must be a :func:`model_step`
+            without ``grad_accumulate`` or ``sync_on_last`` (their windows backpropagate
+            each microbatch on their own), and it returns one floating tensor.
 
     Returns:
         A :class:`Several`: ``(Models, batch) -> (Models, metrics)``.
 
     Raises:
         TypeError: ``steps`` is not a mapping of names to fasttorch steps.
-        ValueError: no steps, one step object under two names, or members that
-            disagree on donation.
+        ValueError: no steps, one step object under two names, members that
+            disagree on donation, or an output whose member has no step here.
 
     Example:
         >>> import torch, fasttorch
@@ -326,8 +374,48 @@ def several(steps: Mapping[str, Step], *, share_loss_scale: bool = False) -> Sev
                 "fasttorch.with_amp(step, 'fp16')"
             )
     return Several(
-        steps=tuple(steps.items()), name=f"several({names})", share_loss_scale=share_loss_scale
+        steps=tuple(steps.items()),
+        name=f"several({names})",
+        share_loss_scale=share_loss_scale,
+        outputs=_check_outputs(steps, outputs),
     )
+
+
+def _check_outputs(
+    steps: Mapping[str, Step], outputs: Mapping[str, Any] | None
+) -> tuple[tuple[str, Forward], ...]:
+    if outputs is None:
+        return ()
+    if not isinstance(outputs, Mapping):
+        raise TypeError(
+            f"several: outputs maps names to (member, forward_fn), got "
+            f"{type(outputs).__name__}; write outputs={{'fake': ('g', make_fake)}}"
+        )
+    checked = []
+    for name, spec in outputs.items():
+        if not isinstance(name, str) or not (isinstance(spec, tuple) and len(spec) == 2):
+            raise TypeError(
+                f"several: outputs[{name!r}] is {spec!r}; give (member, forward_fn), e.g. "
+                "outputs={'fake': ('g', lambda apply, batch: apply(batch[1]))}"
+            )
+        owner, fn = spec
+        if owner not in steps:
+            raise ValueError(
+                f"several: output {name!r} is member {owner!r}'s forward, but the steps are "
+                f"for {list(steps)}; a shared forward belongs to a member that trains here"
+            )
+        if not callable(fn):
+            raise TypeError(f"several: output {name!r}: {fn!r} is not callable")
+        windowed = [t for t in steps[owner].transforms if t in ("grad_accumulate", "sync_on_last")]
+        if windowed:
+            raise ValueError(
+                f"several: output {name!r} is member {owner!r}'s forward, whose step has "
+                f"{windowed[0]}: its window backpropagates each microbatch on its own, past "
+                "a forward shared for the call. Drop the output (the member's loss runs its "
+                "forward itself) or the transform"
+            )
+        checked.append((name, Forward(owner=owner, fn=fn)))
+    return tuple(checked)
 
 
 # --------------------------------------------------------------------------- driver
@@ -385,7 +473,15 @@ def _run(step: Several, state: Models, batch: Batch) -> tuple[Models, Metrics]:
     metrics: Metrics = {}
     consumed: list[TrainState] = []
     scale = SharedScale() if step.share_loss_scale else None
+    pending = Pending()
     try:
+        outputs = (
+            run_forwards(
+                dict(step.outputs), dict(step.steps), members, batch, not step.donate, pending
+            )
+            if step.outputs
+            else {}
+        )
         for name, s in step.steps:
             before = members[name]
             assert isinstance(before, TrainState)
@@ -398,7 +494,8 @@ def _run(step: Several, state: Models, batch: Batch) -> tuple[Models, Metrics]:
             if scale is not None:
                 own = scale.give(step.name, name, own)
             warn_captured(s, name, members)
-            new, metrics[name] = _run_member(s, name, own, members, batch)
+            mine = tuple(n for n, f in step.outputs if f.owner == name)
+            new, metrics[name] = _run_member(s, name, own, members, batch, outputs, mine)
             members[name] = new
             if scale is not None:
                 scale.took(name, new, metrics[name])
@@ -406,6 +503,8 @@ def _run(step: Several, state: Models, batch: Batch) -> tuple[Models, Metrics]:
         if step.donate and consumed:  # the members stepped so far were updated in place
             consume(state, consumed, f"{step.name}, which failed part-way")
         raise
+    finally:
+        pending.__exit__()
     if scale is not None:
         members = scale.combine(step.name, members)
     if step.donate:
@@ -414,7 +513,13 @@ def _run(step: Several, state: Models, batch: Batch) -> tuple[Models, Metrics]:
 
 
 def _run_member(
-    s: Step, name: str, own: TrainState, members: dict[str, Member], batch: Batch
+    s: Step,
+    name: str,
+    own: TrainState,
+    members: dict[str, Member],
+    batch: Batch,
+    outputs: Tensors | None = None,
+    mine: tuple[str, ...] = (),
 ) -> tuple[TrainState, Metrics]:
     """Member ``name``'s step on ``own``, the others given through its sub-state ``KEY``.
 
@@ -424,6 +529,8 @@ def _run_member(
     others = Others(
         views={n: view(m, not s.donate) for n, m in members.items() if n != name},
         owner=name,
+        outputs=dict(outputs or {}),
+        mine=mine,
     )
     given = own.with_substate(KEY, others)
     try:
