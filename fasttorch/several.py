@@ -497,6 +497,9 @@ def _run(step: Several, state: Models, batch: Batch) -> tuple[Models, Metrics]:
             mine = tuple(n for n, f in step.outputs if f.owner == name)
             new, metrics[name] = _run_member(s, name, own, members, batch, outputs, mine)
             members[name] = new
+            for n, m in members.items():  # target networks that follow this member
+                if isinstance(m, Frozen) and m.follows == name:
+                    members[n] = m.followed(new, in_place=step.donate)
             if scale is not None:
                 scale.took(name, new, metrics[name])
     except BaseException:
