@@ -131,6 +131,7 @@ def run_forwards(
     batch: Batch,
     copy_buffers: bool,
     pending: Pending,
+    idle: tuple[str, ...] = (),
 ) -> Tensors:
     """Run each shared forward once; return the outputs (detached), by name.
 
@@ -138,7 +139,8 @@ def run_forwards(
     owner's loss), over the owner's parameters as leaves that require grad. The owner's
     BatchNorm statistics are updated by it, as in the plain loop (on copies put back
     into ``members`` when the steps copy). Each owner's graphs are kept in ``pending``
-    for its step.
+    for its step; an ``idle`` owner (no step this call) runs its forward without
+    gradient.
     """
     outputs: Tensors = {}
     kept: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -154,7 +156,7 @@ def run_forwards(
         if copy_buffers and m.buffers:
             members[f.owner] = m = m.replace(buffers={k: b.clone() for k, b in m.buffers.items()})
         request = Request(fn=f.fn, out=[])
-        with torch.enable_grad():
+        with torch.set_grad_enabled(f.owner not in idle):
             steps[f.owner].loss(
                 m.with_substate(FORWARD_KEY, request), dict(zip(m.params, leaves)), m.buffers, batch
             )
@@ -177,7 +179,8 @@ def run_forwards(
         # would bump the version of a tensor the kept graph saved (Tanh saves its output).
         outputs[name] = out.detach().clone()
     for owner, (outs, leaves) in kept.items():
-        pending.keep(owner, outs, leaves)
+        if owner not in idle:
+            pending.keep(owner, outs, leaves)
     return outputs
 
 

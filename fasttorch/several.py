@@ -183,6 +183,7 @@ class Several:
     name: str
     share_loss_scale: bool = False
     outputs: tuple[tuple[str, Forward], ...] = ()
+    idle: tuple[str, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         self.__dict__["__name__"] = self.__dict__["__qualname__"] = self.name
@@ -206,6 +207,37 @@ class Several:
         for name, s in self.steps:
             members[name] = s.init(members[name])  # type: ignore[arg-type]
         return Models(members=members)
+
+    def only(self, *names: str) -> Several:
+        """The same step, stepping only the members ``names`` (the others stay as they are).
+
+        Members at their own rates: a WGAN-GP critic's five updates per generator update
+        are four calls of ``gan.only("d")`` and one of ``gan``. The idle members' steps
+        do not run (no forward of their losses, no gradient, no update); a shared
+        forward of an idle member still runs, without gradient, for the members that
+        read it. The steps are the same objects: under ``compiled`` the subsets share
+        the members' graphs, so no pattern of calls compiles anything more than each
+        member's own graphs.
+
+        Equivalent to::
+
+            for i, batch in enumerate(loader):
+                d_step(batch)                  # every call
+                if (i + 1) % 5 == 0:
+                    g_step(batch)              # gan instead of gan.only("d")
+
+        Raises:
+            ValueError: a name that has no step here, or no name.
+        """
+        unknown = [n for n in names if n not in self.names]
+        if unknown or not names:
+            raise ValueError(
+                f"{self.name}.only{names}: give one or more of the members it steps, "
+                f"{self.names}" + (f"; {unknown} are not among them" if unknown else "")
+            )
+        idle = tuple(n for n in self.names if n not in names)
+        label = f"{self.name}.only({', '.join(map(repr, names))})"
+        return attrs.evolve(self, idle=idle, name=label)
 
     def map_steps(self, fn: Callable[[Step], Step]) -> Several:
         """The same step with ``fn`` applied to each member's step (how ``compiled`` wraps)."""
@@ -441,7 +473,11 @@ def _check_state(step: Several, state: Any) -> None:
                 "train it as a TrainState.create(model, opt), or drop its step"
             )
     stepped = dict(step.steps)
-    untrained = [n for n, m in members.items() if isinstance(m, TrainState) and n not in stepped]
+    untrained = [
+        n
+        for n, m in members.items()
+        if isinstance(m, TrainState) and n not in stepped and n not in step.idle
+    ]
     if untrained:
         raise ValueError(
             f"{step.name}: members {untrained} are TrainStates that no step trains; give "
@@ -477,12 +513,20 @@ def _run(step: Several, state: Models, batch: Batch) -> tuple[Models, Metrics]:
     try:
         outputs = (
             run_forwards(
-                dict(step.outputs), dict(step.steps), members, batch, not step.donate, pending
+                dict(step.outputs),
+                dict(step.steps),
+                members,
+                batch,
+                not step.donate,
+                pending,
+                idle=step.idle,
             )
             if step.outputs
             else {}
         )
         for name, s in step.steps:
+            if name in step.idle:
+                continue
             before = members[name]
             assert isinstance(before, TrainState)
             consumed.append(before)
