@@ -187,6 +187,9 @@ class Several:
 
     def __attrs_post_init__(self) -> None:
         self.__dict__["__name__"] = self.__dict__["__qualname__"] = self.name
+        steps = dict(self.steps)
+        for out, f in self.outputs:  # also after map_steps: a transform added later
+            _check_owner_step(out, f.owner, steps[f.owner])
 
     @property
     def donate(self) -> bool:
@@ -267,11 +270,22 @@ class Several:
             _check_state(self, state)
             own = state.members[name]
             assert isinstance(own, TrainState)
-            others = Others(
-                views={n: view(m, False) for n, m in state.members.items() if n != name},
-                owner=name,
-            )
             with _all_evaluating(state):
+                # Shared outputs in evaluation mode, without gradient, read as constants.
+                outputs = run_forwards(
+                    dict(self.outputs),
+                    dict(self.steps),
+                    dict(state.members),
+                    batch,
+                    True,
+                    Pending(),
+                    idle=tuple(self.names),
+                )
+                others = Others(
+                    views={n: view(m, False) for n, m in state.members.items() if n != name},
+                    owner=name,
+                    outputs=outputs,
+                )
                 return inner(own.with_substate(KEY, others), batch)
 
         evaluate.__name__ = evaluate.__qualname__ = f"{self.name}.{name}"
@@ -438,16 +452,19 @@ def _check_outputs(
             )
         if not callable(fn):
             raise TypeError(f"several: output {name!r}: {fn!r} is not callable")
-        windowed = [t for t in steps[owner].transforms if t in ("grad_accumulate", "sync_on_last")]
-        if windowed:
-            raise ValueError(
-                f"several: output {name!r} is member {owner!r}'s forward, whose step has "
-                f"{windowed[0]}: its window backpropagates each microbatch on its own, past "
-                "a forward shared for the call. Drop the output (the member's loss runs its "
-                "forward itself) or the transform"
-            )
         checked.append((name, Forward(owner=owner, fn=fn)))
     return tuple(checked)
+
+
+def _check_owner_step(name: str, owner: str, step: Step) -> None:
+    windowed = [t for t in step.transforms if t in ("grad_accumulate", "sync_on_last")]
+    if windowed:
+        raise ValueError(
+            f"several: output {name!r} is member {owner!r}'s forward, whose step has "
+            f"{windowed[0]}: its window backpropagates each microbatch on its own, past "
+            "a forward shared for the call. Drop the output (the member's loss runs its "
+            "forward itself) or the transform"
+        )
 
 
 # --------------------------------------------------------------------------- driver

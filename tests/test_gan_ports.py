@@ -445,3 +445,17 @@ def test_a_loss_asking_for_an_undeclared_output_is_told_what_exists() -> None:
     step = fasttorch.several({"d": fasttorch.model_step(d_loss), "g": fasttorch.model_step(g_loss)})
     with pytest.raises(UnknownMemberError, match=r"outputs\['fake'\].*are \[\]"):
         step(s, data(1)[0])
+
+
+def test_eval_step_of_the_generator_reads_the_shared_output_in_evaluation_mode() -> None:
+    g, d = models()
+    s, g_calls = state(g, d)
+    batch = data(1)[0]
+    metrics = gan().eval_step("g")(s, batch)
+    ref_g, ref_d = copy.deepcopy(g).eval(), copy.deepcopy(d).eval()
+    with torch.no_grad():
+        out = ref_d(ref_g(batch[1]))
+        want = nn.BCELoss()(out, torch.ones(BATCH))
+    torch.testing.assert_close(metrics["loss"], want, **EXACT)
+    assert len(g_calls) == 1 and s["g"].module.training  # back in training mode
+    assert int(s["g"].buffers["main.1.num_batches_tracked"]) == 0  # no statistics updated
