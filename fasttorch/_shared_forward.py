@@ -37,6 +37,8 @@ __all__ = [
     "Pending",
     "Request",
     "backward_op",
+    "check_outputs",
+    "check_owner_step",
     "owner_grads",
     "run_forwards",
 ]
@@ -210,3 +212,43 @@ def owner_grads(
     for k, b in zip(names, back):
         grads[k] = b if k in unused else grads[k] + b
     return g.replace(grads=grads, unused=frozenset())
+
+
+def check_outputs(
+    steps: Mapping[str, Step], outputs: Mapping[str, Any] | None
+) -> tuple[tuple[str, Forward], ...]:
+    if outputs is None:
+        return ()
+    if not isinstance(outputs, Mapping):
+        raise TypeError(
+            f"several: outputs maps names to (member, forward_fn), got "
+            f"{type(outputs).__name__}; write outputs={{'fake': ('g', make_fake)}}"
+        )
+    checked = []
+    for name, spec in outputs.items():
+        if not isinstance(name, str) or not (isinstance(spec, tuple) and len(spec) == 2):
+            raise TypeError(
+                f"several: outputs[{name!r}] is {spec!r}; give (member, forward_fn), e.g. "
+                "outputs={'fake': ('g', lambda apply, batch: apply(batch[1]))}"
+            )
+        owner, fn = spec
+        if owner not in steps:
+            raise ValueError(
+                f"several: output {name!r} is member {owner!r}'s forward, but the steps are "
+                f"for {list(steps)}; a shared forward belongs to a member that trains here"
+            )
+        if not callable(fn):
+            raise TypeError(f"several: output {name!r}: {fn!r} is not callable")
+        checked.append((name, Forward(owner=owner, fn=fn)))
+    return tuple(checked)
+
+
+def check_owner_step(name: str, owner: str, step: Step) -> None:
+    windowed = [t for t in step.transforms if t in ("grad_accumulate", "sync_on_last")]
+    if windowed:
+        raise ValueError(
+            f"several: output {name!r} is member {owner!r}'s forward, whose step has "
+            f"{windowed[0]}: its window backpropagates each microbatch on its own, past "
+            "a forward shared for the call. Drop the output (the member's loss runs its "
+            "forward itself) or the transform"
+        )

@@ -19,12 +19,12 @@ under ``compiled`` they are inputs of the member's graphs, never constants.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 
+from fasttorch._model_step import model_step
 from fasttorch._peers import (
     KEY,
     Others,
@@ -35,18 +35,16 @@ from fasttorch._peers import (
     warn_captured,
 )
 from fasttorch._shared_forward import (
-    FORWARD_KEY,
-    PREFIX,
     Forward,
     Pending,
-    Request,
-    owner_grads,
+    check_outputs,
+    check_owner_step,
     run_forwards,
 )
 from fasttorch._shared_scale import SharedScale
 from fasttorch.evaluation import eval_step as _eval_step
 from fasttorch.models import Frozen, Member, Models, consume
-from fasttorch.phases import Batch, Loss, Metrics, Tensors, grad_phase, loss_phase, update_phase
+from fasttorch.phases import Batch, Metrics, Tensors
 from fasttorch.state import (
     TrainState,
     check_alive,
@@ -66,112 +64,6 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------- member steps
-
-
-def model_step(
-    loss_fn: Callable[[Callable[..., Any], Batch, Peers], Any], *, donate: bool = True
-) -> Step:
-    """A step for one model of several: ``loss_fn(apply, batch, models)``.
-
-    As :func:`fasttorch.step`, with a third argument: ``models``, the other members of
-    the :class:`Models` state (``models["d"](x)`` runs member ``"d"``, see
-    :class:`Peers`). Transform it as any step, then give it to :func:`several` under its
-    member's name. Called on its own (outside :func:`several`) it raises.
-
-    Equivalent to the plain loop's body for one of several models (Lightning's
-    ``toggle_model``: the others' parameters take no gradient)::
-
-        loss = loss_fn(g, batch, {"d": d})  # d(x): d's parameters with requires_grad off
-        loss.backward()
-        g_opt.step()
-        g_opt.zero_grad(set_to_none=True)
-
-    Args:
-        loss_fn: ``(apply, batch, models) -> loss | (loss, aux) | Loss``.
-        donate: as for :func:`fasttorch.step`; every member of one :func:`several`
-            step must agree.
-
-    Raises:
-        TypeError: ``loss_fn`` is not callable or cannot be called with three arguments.
-
-    Example:
-        >>> import torch, fasttorch
-        >>> def g_loss(apply, z, models):
-        ...     return -models["d"](apply(z)).mean()
-        >>> fasttorch.model_step(g_loss)
-        Step('g_loss', transforms=[], substates=[], donate=True)
-    """
-    if not callable(loss_fn):
-        raise TypeError(f"model_step expects a loss function, got {type(loss_fn).__name__}")
-    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
-    _check_arity(loss_fn, name)
-    if not isinstance(donate, bool):
-        raise TypeError(f"model_step: donate must be a bool, got {donate!r}")
-
-    def call(apply: Callable[..., Any], batch: Any) -> Any:
-        data, models = batch
-        return loss_fn(apply, data, models)
-
-    call.__name__ = call.__qualname__ = name
-    inner = loss_phase(call)
-
-    def loss(state: TrainState, params: Tensors, buffers: Tensors, batch: Batch) -> Loss:
-        request: Request | None = state.substates.get(FORWARD_KEY)
-        if request is not None:  # several runs a shared forward through this phase
-            return request.run(state, params, buffers, batch)
-        others = state.substates.get(KEY)
-        if others is None:
-            raise ValueError(
-                f"model_step {name!r} reads the other models (its loss function takes "
-                "models): run it inside fasttorch.several({...}) over a fasttorch.Models "
-                "state, or build a one-model step with fasttorch.step(loss_fn)"
-            )
-        outputs = None
-        if others.mine:  # the outputs it owns are differentiated as extra "parameters"
-            outputs = {**others.outputs}
-            outputs.update((k[len(PREFIX) :], v) for k, v in params.items() if k[:1] == "\x00")
-            params = {k: v for k, v in params.items() if k[:1] != "\x00"}
-        # The data first: the default sample count is its first tensor's leading size.
-        return inner(state, params, buffers, (batch, Peers(others, outputs)))
-
-    def grad(loss: Any, state: TrainState, batch: Batch, mult: Any) -> Any:
-        others = state.substates.get(KEY)
-        if others is None or not others.mine:
-            return grad_phase(loss, state, batch, mult)
-        return owner_grads(
-            lambda s: grad_phase(loss, s, batch, mult),
-            state,
-            others.owner,
-            others.mine,
-            others.outputs,
-        )
-
-    return Step(
-        loss=loss,
-        grad=grad,
-        update=update_phase,
-        name=name,
-        doc=getattr(loss_fn, "__doc__", None),
-        donate=donate,
-    )
-
-
-def _check_arity(loss_fn: Callable[..., Any], name: str) -> None:
-    try:
-        sig = inspect.signature(loss_fn)
-    except (TypeError, ValueError):
-        return
-    try:
-        sig.bind(None, None, None)
-    except TypeError as e:
-        raise TypeError(
-            f"model_step: the loss function {name}{sig} cannot be called as "
-            f"{name}(apply, batch, models) ({e}). A member's loss function takes apply (its "
-            "own forward), batch, and models (the other members: models['d'](x))"
-        ) from None
-
-
 # --------------------------------------------------------------------------- the step
 
 
@@ -189,7 +81,7 @@ class Several:
         self.__dict__["__name__"] = self.__dict__["__qualname__"] = self.name
         steps = dict(self.steps)
         for out, f in self.outputs:  # also after map_steps: a transform added later
-            _check_owner_step(out, f.owner, steps[f.owner])
+            check_owner_step(out, f.owner, steps[f.owner])
 
     @property
     def donate(self) -> bool:
@@ -423,48 +315,8 @@ def several(
         steps=tuple(steps.items()),
         name=f"several({names})",
         share_loss_scale=share_loss_scale,
-        outputs=_check_outputs(steps, outputs),
+        outputs=check_outputs(steps, outputs),
     )
-
-
-def _check_outputs(
-    steps: Mapping[str, Step], outputs: Mapping[str, Any] | None
-) -> tuple[tuple[str, Forward], ...]:
-    if outputs is None:
-        return ()
-    if not isinstance(outputs, Mapping):
-        raise TypeError(
-            f"several: outputs maps names to (member, forward_fn), got "
-            f"{type(outputs).__name__}; write outputs={{'fake': ('g', make_fake)}}"
-        )
-    checked = []
-    for name, spec in outputs.items():
-        if not isinstance(name, str) or not (isinstance(spec, tuple) and len(spec) == 2):
-            raise TypeError(
-                f"several: outputs[{name!r}] is {spec!r}; give (member, forward_fn), e.g. "
-                "outputs={'fake': ('g', lambda apply, batch: apply(batch[1]))}"
-            )
-        owner, fn = spec
-        if owner not in steps:
-            raise ValueError(
-                f"several: output {name!r} is member {owner!r}'s forward, but the steps are "
-                f"for {list(steps)}; a shared forward belongs to a member that trains here"
-            )
-        if not callable(fn):
-            raise TypeError(f"several: output {name!r}: {fn!r} is not callable")
-        checked.append((name, Forward(owner=owner, fn=fn)))
-    return tuple(checked)
-
-
-def _check_owner_step(name: str, owner: str, step: Step) -> None:
-    windowed = [t for t in step.transforms if t in ("grad_accumulate", "sync_on_last")]
-    if windowed:
-        raise ValueError(
-            f"several: output {name!r} is member {owner!r}'s forward, whose step has "
-            f"{windowed[0]}: its window backpropagates each microbatch on its own, past "
-            "a forward shared for the call. Drop the output (the member's loss runs its "
-            "forward itself) or the transform"
-        )
 
 
 # --------------------------------------------------------------------------- driver
