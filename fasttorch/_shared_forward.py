@@ -126,6 +126,14 @@ FORWARD_KEY = "several.forward"
 """The sub-state under which a member's loss phase is asked to run a shared forward."""
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    return t.detach()
+
+
+def _copied(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
+
+
 def run_forwards(
     forwards: Mapping[str, Forward],
     steps: Mapping[str, Step],
@@ -148,12 +156,14 @@ def run_forwards(
     kept: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for name, f in forwards.items():
         m: TrainState = members[f.owner]
-        # Copies: under compiled, a donating step's graph writes the state's tensors
-        # back before the kept graph's backward runs, bumping their versions.
+        # Copies under compiled: a donating graph writes the state's tensors (and the
+        # outputs it was given) back in place, which bumps the version counters that
+        # the kept graph's saved tensors share with them; its backward would refuse.
+        own = _detached if steps[f.owner].is_eager else _copied
         leaves = (
             kept[f.owner][1]
             if f.owner in kept
-            else [p.detach().clone().requires_grad_() for p in m.params.values()]
+            else [own(p).requires_grad_() for p in m.params.values()]
         )
         if copy_buffers and m.buffers:
             members[f.owner] = m = m.replace(buffers={k: b.clone() for k, b in m.buffers.items()})
@@ -177,9 +187,7 @@ def run_forwards(
                 "several names)"
             )
         kept.setdefault(f.owner, ([], leaves))[0].append(out)
-        # A copy: a donating compiled step writes its state's leaves back in place, which
-        # would bump the version of a tensor the kept graph saved (Tanh saves its output).
-        outputs[name] = out.detach().clone()
+        outputs[name] = own(out)  # Tanh saves its output: a copy under compiled
     for owner, (outs, leaves) in kept.items():
         if owner not in idle:
             pending.keep(owner, outs, leaves)
