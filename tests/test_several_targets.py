@@ -170,3 +170,38 @@ def test_target_network_errors_are_raised_at_create_time() -> None:
     other = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     with pytest.raises(ValueError, match=r"their tensors differ"):
         fasttorch.Models.create(q=trained, t=fasttorch.Frozen.create(other, follows="q"))
+
+
+def test_a_loss_reads_a_trained_members_parameters_and_buffers() -> None:
+    seen: dict[str, Any] = {}
+
+    def student_loss(apply: Any, batch: Any, models: Any) -> Any:
+        seen["params"], seen["buffers"] = models["teacher"].params, models["teacher"].buffers
+        x, y = batch
+        return nn.functional.mse_loss(apply(x), y)
+
+    def teacher_loss(apply: Any, batch: Any, models: Any) -> Any:
+        x, y = batch
+        return nn.functional.mse_loss(apply(x), y)
+
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    state = fasttorch.Models.create(
+        teacher=fasttorch.TrainState.create(teacher, optim.sgd(LR)),
+        student=fasttorch.TrainState.create(nn.Linear(4, 3), optim.sgd(LR)),
+    )
+    step = fasttorch.several(
+        {
+            "teacher": fasttorch.model_step(teacher_loss),
+            "student": fasttorch.model_step(student_loss),
+        }
+    )
+    state, _ = step(state, (torch.randn(8, 4), torch.randn(8, 3)))
+    t = state["teacher"]
+    assert isinstance(t, fasttorch.TrainState)
+    assert sorted(seen["params"]) == sorted(t.params) and sorted(seen["buffers"]) == sorted(
+        t.buffers
+    )
+    for k, p in seen["params"].items():  # the teacher as just updated, detached
+        assert not p.requires_grad
+        torch.testing.assert_close(p, t.params[k], **EXACT)
