@@ -82,6 +82,14 @@ class Several:
         steps = dict(self.steps)
         for out, f in self.outputs:  # also after map_steps: a transform added later
             check_owner_step(out, f.owner, steps[f.owner])
+        split = [n for n, s in self.steps if s.window.n > 1 and not s.window.across_calls]
+        if self.outputs and split:
+            raise ValueError(
+                f"several: the steps of {split} split each call's batch (grad_accumulate "
+                "without across_calls), but a shared output is computed from the whole "
+                "call's batch; accumulate across calls instead: grad_accumulate(step, n, "
+                "across_calls=True), each call one microbatch"
+            )
 
     @property
     def donate(self) -> bool:

@@ -459,3 +459,22 @@ def test_eval_step_of_the_generator_reads_the_shared_output_in_evaluation_mode()
     torch.testing.assert_close(metrics["loss"], want, **EXACT)
     assert len(g_calls) == 1 and s["g"].module.training  # back in training mode
     assert int(s["g"].buffers["main.1.num_batches_tracked"]) == 0  # no statistics updated
+
+
+def test_check_step_accepts_a_step_with_a_shared_forward() -> None:
+    g, d = models()
+
+    def factory() -> fasttorch.Models:
+        return state(g, d, adam_native)[0]
+
+    # composes: grad_accumulate wraps the critic only (the generator owns "fake").
+    got = fasttorch.testing.check_step(gan(), factory, data(2), checks=("composes",))
+    assert got == {"composes": "ok"}
+
+
+def test_a_member_splitting_the_call_is_refused_beside_a_shared_output() -> None:
+    split = fasttorch.grad_accumulate(fasttorch.model_step(d_loss), 2)
+    with pytest.raises(ValueError, match=r"\['d'\] split each call's batch.*across_calls=True"):
+        fasttorch.several(
+            {"d": split, "g": fasttorch.model_step(g_loss)}, outputs={"fake": ("g", make_fake)}
+        )
