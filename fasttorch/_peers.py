@@ -8,7 +8,6 @@ under the sub-state :data:`KEY`, so that under ``compiled`` they are graph input
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -36,10 +35,16 @@ class View(struct.Record):
 
 
 class Others(struct.Record):
-    """The sub-state (:data:`KEY`) that carries the other members into a member's step."""
+    """The sub-state (:data:`KEY`) that carries the other members into a member's step.
+
+    ``outputs``: the shared forwards' outputs of this call, by name (detached);
+    ``mine``: the names of those this member owns (its gradient flows through them).
+    """
 
     views: dict[str, View]
     owner: str = struct.field(static=True)
+    outputs: dict[str, torch.Tensor] = struct.field(default_factory=dict)
+    mine: tuple[str, ...] = struct.field(static=True, default=())
 
 
 class UnknownMemberError(KeyError):
@@ -55,8 +60,18 @@ class Peers:
     are detached: a gradient flows through the forward to ``x``, never into them.
     """
 
-    def __init__(self, others: Others) -> None:
+    def __init__(self, others: Others, outputs: Tensors | None = None) -> None:
         self._others = others
+        self._outputs = others.outputs if outputs is None else outputs
+
+    @property
+    def outputs(self) -> Mapping[str, torch.Tensor]:
+        """The outputs of this call's shared forwards (``several(outputs=...)``), by name.
+
+        Computed once at the start of the call. The member that owns one gets it with
+        its gradient path into its own parameters; the others read it as a constant.
+        """
+        return _Outputs(self._outputs, self._others.owner)
 
     def __getitem__(self, name: str) -> Callable[..., Any]:
         views = self._others.views
@@ -71,13 +86,66 @@ class Peers:
                 f"member {owner!r}'s loss function asked for models[{name!r}], but the other "
                 f"members are {sorted(views)}: {hint}"
             )
-        return functools.partial(_forward, views[name])
+        return Peer(views[name])
 
     def __contains__(self, name: str) -> bool:
         return name in self._others.views
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._others.views)
+
+
+class Peer:
+    """Another member as a loss function reads it: ``peer(x)`` runs it, ``peer.params``.
+
+    ``params`` and ``buffers`` are its current tensors, detached (read-only for this
+    loss: no gradient flows into another member's parameters); for a ``Frozen``
+    member, ``params`` are its parameters and ``buffers`` its buffers.
+    """
+
+    def __init__(self, view: View) -> None:
+        self._view = view
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _forward(self._view, *args, **kwargs)
+
+    @property
+    def params(self) -> Tensors:
+        """The member's parameters by name, detached."""
+        v = self._view
+        if not v.params:  # a Frozen member: its parameters among its tensors
+            names = {n for n, _ in v.module.named_parameters()}
+            return {k: t.detach() for k, t in v.buffers.items() if k in names}
+        return {k: p.detach() for k, p in v.params.items()}
+
+    @property
+    def buffers(self) -> Tensors:
+        """The member's buffers by name (BatchNorm statistics), detached."""
+        v = self._view
+        if not v.params:
+            names = {n for n, _ in v.module.named_parameters()}
+            return {k: t.detach() for k, t in v.buffers.items() if k not in names}
+        return {k: b.detach() for k, b in v.buffers.items()}
+
+
+class _Outputs(Mapping[str, torch.Tensor]):
+    def __init__(self, outputs: Tensors, owner: str) -> None:
+        self._outputs, self._owner = outputs, owner
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._outputs:
+            raise UnknownMemberError(
+                f"member {self._owner!r}'s loss function asked for models.outputs[{name!r}], "
+                f"but this call's shared forwards are {sorted(self._outputs)}: declare it "
+                "as several({...}, outputs={name: (member, forward_fn)})"
+            )
+        return self._outputs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._outputs)
+
+    def __len__(self) -> int:
+        return len(self._outputs)
 
 
 def _forward(view: View, *args: Any, **kwargs: Any) -> Any:

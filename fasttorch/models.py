@@ -23,7 +23,8 @@ _DEAD = "_fasttorch_models_donated"
 
 
 class Frozen(struct.Record):
-    """A model that other members read and nothing trains: a distillation teacher.
+    """A model that other members read and no optimizer trains: a distillation teacher,
+    or a target network that follows a trained member (``follows=``, polyak averaging).
 
     No optimizer, no optimizer state, no gradients: it runs in evaluation mode (dropout
     off, BatchNorm reading its running statistics and never updating them), with every
@@ -43,17 +44,52 @@ class Frozen(struct.Record):
 
     tensors: Tensors
     module: nn.Module = struct.field(static=True)
+    follows: str | None = struct.field(static=True, default=None)
+    tau: float = struct.field(static=True, default=1.0)
+    every: int = struct.field(static=True, default=1)
 
     @classmethod
-    def create(cls, module: nn.Module) -> Frozen:
+    def create(
+        cls, module: nn.Module, *, follows: str | None = None, tau: float = 1.0, every: int = 1
+    ) -> Frozen:
         """Freeze ``module``: put it in evaluation mode and read its tensors (no copy).
+
+        ``follows="q"`` makes it a target network of the trained member ``"q"`` (build
+        it from a copy of that member's model): after every ``every``-th update of
+        ``"q"``, within the same step, its parameters move towards ``"q"``'s by polyak
+        averaging, ``t = t * (1 - tau) + tau * p`` (``tau=1``: a copy), and its
+        floating buffers (BatchNorm statistics) take ``"q"``'s. Equivalent to::
+
+            q_opt.step()
+            if q_updates % every == 0:
+                for t, p in zip(target.parameters(), q.parameters()):
+                    t.data.mul_(1 - tau).add_(tau * p.data)
 
         Raises:
             TypeError: ``module`` is not an ``nn.Module``.
-            ValueError: its tensors are on more than one device, or it has none.
+            ValueError: its tensors are on more than one device, or it has none; ``tau``
+                not in (0, 1] or ``every`` not a positive int, or either without
+                ``follows``.
         """
         if not isinstance(module, nn.Module):
             raise TypeError(f"Frozen.create expects an nn.Module, got {type(module).__name__}")
+        if follows is not None and not isinstance(follows, str):
+            raise TypeError(f"Frozen.create: follows names a member, got {follows!r}")
+        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau <= 1:
+            raise ValueError(
+                f"Frozen.create: tau={tau!r}; the polyak weight of the followed member's "
+                "parameters is a number in (0, 1] (1: copy them)"
+            )
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(
+                f"Frozen.create: every={every!r}; it is the number of the followed "
+                "member's updates between two target updates, an int >= 1"
+            )
+        if follows is None and (tau != 1.0 or every != 1):
+            raise ValueError(
+                "Frozen.create: tau and every describe a target network; name the member "
+                "it follows: Frozen.create(copy.deepcopy(q_net), follows='q', tau=...)"
+            )
         tensors = {n: p.detach() for n, p in module.named_parameters()}
         tensors.update((n, b.detach()) for n, b in module.named_buffers())
         if not tensors:
@@ -65,7 +101,33 @@ class Frozen(struct.Record):
                 "move the whole module to one device first (module.to(device))"
             )
         module.eval()
-        return cls(tensors=tensors, module=module)
+        return cls(tensors=tensors, module=module, follows=follows, tau=float(tau), every=every)
+
+    def followed(self, source: TrainState, in_place: bool) -> Frozen:
+        """This target network after an update of the member it follows (``source``).
+
+        Polyak averaging of the parameters where ``source.step`` is a multiple of
+        ``every`` (a ``torch.where``, no host read), the floating buffers taken from
+        ``source``; ``in_place`` (a donating step) writes into this record's tensors.
+        """
+        due = None if self.every == 1 else (source.step % self.every) == 0
+        out = dict(self.tensors)
+        with torch.no_grad():
+            for k, t in self.tensors.items():
+                p = source.params.get(k)
+                if p is None:  # a buffer: the followed member's, as SB3's polyak_update(1.0)
+                    p = new = source.buffers[k]
+                elif self.tau == 1:
+                    new = p
+                else:  # the plain loop's t.mul_(1 - tau).add_(tau * p), out of place
+                    new = t.mul(1 - self.tau).add(p * self.tau)
+                if due is not None:
+                    new = torch.where(due, new, t)
+                if in_place:
+                    t.copy_(new)
+                else:
+                    out[k] = new.clone() if new is p else new
+        return self if in_place else self.replace(tensors=out)
 
     @property
     def device(self) -> torch.device:
@@ -139,6 +201,9 @@ class Models(struct.Record):
                     "member is its own model. For two optimizers over parts of one model "
                     "use fasttorch.optim.groups (docs/several_models.md)"
                 )
+        for name, m in members.items():
+            if isinstance(m, Frozen) and m.follows is not None:
+                _check_follows(name, m, members)
         devices = {str(m.device) for m in members.values()}
         if len(devices) > 1:
             raise ValueError(
@@ -191,6 +256,25 @@ class Models(struct.Record):
             return "Models(<donated>)"
         kinds = {n: type(m).__name__ for n, m in self.members.items()}
         return f"Models({kinds})"
+
+
+def _check_follows(name: str, target: Frozen, members: dict[str, Member]) -> None:
+    source = members.get(target.follows or "")
+    if not isinstance(source, TrainState):
+        kind = "missing" if source is None else "a Frozen"
+        raise ValueError(
+            f"Models.create: member {name!r} follows {target.follows!r}, which is {kind}; "
+            f"a target network follows a trained member (the members: {list(members)})"
+        )
+    mine = {k: (tuple(t.shape), t.dtype) for k, t in target.tensors.items()}
+    theirs = {k: (tuple(t.shape), t.dtype) for k, t in {**source.params, **source.buffers}.items()}
+    if mine != theirs:
+        diff = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
+        raise ValueError(
+            f"Models.create: member {name!r} follows {target.follows!r}, but their tensors "
+            f"differ ({diff} ...); build the target from a copy of that member's model: "
+            f"Frozen.create(copy.deepcopy(model), follows={target.follows!r})"
+        )
 
 
 def consume(state: Models, consumed: list[TrainState], by: str) -> None:

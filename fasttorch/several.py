@@ -19,12 +19,12 @@ under ``compiled`` they are inputs of the member's graphs, never constants.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 
+from fasttorch._model_step import model_step
 from fasttorch._peers import (
     KEY,
     Others,
@@ -34,10 +34,17 @@ from fasttorch._peers import (
     view,
     warn_captured,
 )
+from fasttorch._shared_forward import (
+    Forward,
+    Pending,
+    check_outputs,
+    check_owner_step,
+    run_forwards,
+)
 from fasttorch._shared_scale import SharedScale
 from fasttorch.evaluation import eval_step as _eval_step
 from fasttorch.models import Frozen, Member, Models, consume
-from fasttorch.phases import Batch, Loss, Metrics, Tensors, grad_phase, loss_phase, update_phase
+from fasttorch.phases import Batch, Metrics, Tensors
 from fasttorch.state import (
     TrainState,
     check_alive,
@@ -57,92 +64,6 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------- member steps
-
-
-def model_step(
-    loss_fn: Callable[[Callable[..., Any], Batch, Peers], Any], *, donate: bool = True
-) -> Step:
-    """A step for one model of several: ``loss_fn(apply, batch, models)``.
-
-    As :func:`fasttorch.step`, with a third argument: ``models``, the other members of
-    the :class:`Models` state (``models["d"](x)`` runs member ``"d"``, see
-    :class:`Peers`). Transform it as any step, then give it to :func:`several` under its
-    member's name. Called on its own (outside :func:`several`) it raises.
-
-    Equivalent to the plain loop's body for one of several models (Lightning's
-    ``toggle_model``: the others' parameters take no gradient)::
-
-        loss = loss_fn(g, batch, {"d": d})  # d(x): d's parameters with requires_grad off
-        loss.backward()
-        g_opt.step()
-        g_opt.zero_grad(set_to_none=True)
-
-    Args:
-        loss_fn: ``(apply, batch, models) -> loss | (loss, aux) | Loss``.
-        donate: as for :func:`fasttorch.step`; every member of one :func:`several`
-            step must agree.
-
-    Raises:
-        TypeError: ``loss_fn`` is not callable or cannot be called with three arguments.
-
-    Example:
-        >>> import torch, fasttorch
-        >>> def g_loss(apply, z, models):
-        ...     return -models["d"](apply(z)).mean()
-        >>> fasttorch.model_step(g_loss)
-        Step('g_loss', transforms=[], substates=[], donate=True)
-    """
-    if not callable(loss_fn):
-        raise TypeError(f"model_step expects a loss function, got {type(loss_fn).__name__}")
-    name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
-    _check_arity(loss_fn, name)
-    if not isinstance(donate, bool):
-        raise TypeError(f"model_step: donate must be a bool, got {donate!r}")
-
-    def call(apply: Callable[..., Any], batch: Any) -> Any:
-        data, models = batch
-        return loss_fn(apply, data, models)
-
-    call.__name__ = call.__qualname__ = name
-    inner = loss_phase(call)
-
-    def loss(state: TrainState, params: Tensors, buffers: Tensors, batch: Batch) -> Loss:
-        others = state.substates.get(KEY)
-        if others is None:
-            raise ValueError(
-                f"model_step {name!r} reads the other models (its loss function takes "
-                "models): run it inside fasttorch.several({...}) over a fasttorch.Models "
-                "state, or build a one-model step with fasttorch.step(loss_fn)"
-            )
-        # The data first: the default sample count is its first tensor's leading size.
-        return inner(state, params, buffers, (batch, Peers(others)))
-
-    return Step(
-        loss=loss,
-        grad=grad_phase,
-        update=update_phase,
-        name=name,
-        doc=getattr(loss_fn, "__doc__", None),
-        donate=donate,
-    )
-
-
-def _check_arity(loss_fn: Callable[..., Any], name: str) -> None:
-    try:
-        sig = inspect.signature(loss_fn)
-    except (TypeError, ValueError):
-        return
-    try:
-        sig.bind(None, None, None)
-    except TypeError as e:
-        raise TypeError(
-            f"model_step: the loss function {name}{sig} cannot be called as "
-            f"{name}(apply, batch, models) ({e}). A member's loss function takes apply (its "
-            "own forward), batch, and models (the other members: models['d'](x))"
-        ) from None
-
-
 # --------------------------------------------------------------------------- the step
 
 
@@ -153,9 +74,22 @@ class Several:
     steps: tuple[tuple[str, Step], ...]
     name: str
     share_loss_scale: bool = False
+    outputs: tuple[tuple[str, Forward], ...] = ()
+    idle: tuple[str, ...] = ()
 
     def __attrs_post_init__(self) -> None:
         self.__dict__["__name__"] = self.__dict__["__qualname__"] = self.name
+        steps = dict(self.steps)
+        for out, f in self.outputs:  # also after map_steps: a transform added later
+            check_owner_step(out, f.owner, steps[f.owner])
+        split = [n for n, s in self.steps if s.window.n > 1 and not s.window.across_calls]
+        if self.outputs and split:
+            raise ValueError(
+                f"several: the steps of {split} split each call's batch (grad_accumulate "
+                "without across_calls), but a shared output is computed from the whole "
+                "call's batch; accumulate across calls instead: grad_accumulate(step, n, "
+                "across_calls=True), each call one microbatch"
+            )
 
     @property
     def donate(self) -> bool:
@@ -176,6 +110,37 @@ class Several:
         for name, s in self.steps:
             members[name] = s.init(members[name])  # type: ignore[arg-type]
         return Models(members=members)
+
+    def only(self, *names: str) -> Several:
+        """The same step, stepping only the members ``names`` (the others stay as they are).
+
+        Members at their own rates: a WGAN-GP critic's five updates per generator update
+        are four calls of ``gan.only("d")`` and one of ``gan``. The idle members' steps
+        do not run (no forward of their losses, no gradient, no update); a shared
+        forward of an idle member still runs, without gradient, for the members that
+        read it. The steps are the same objects: under ``compiled`` the subsets share
+        the members' graphs, so no pattern of calls compiles anything more than each
+        member's own graphs.
+
+        Equivalent to::
+
+            for i, batch in enumerate(loader):
+                d_step(batch)                  # every call
+                if (i + 1) % 5 == 0:
+                    g_step(batch)              # gan instead of gan.only("d")
+
+        Raises:
+            ValueError: a name that has no step here, or no name.
+        """
+        unknown = [n for n in names if n not in self.names]
+        if unknown or not names:
+            raise ValueError(
+                f"{self.name}.only{names}: give one or more of the members it steps, "
+                f"{self.names}" + (f"; {unknown} are not among them" if unknown else "")
+            )
+        idle = tuple(n for n in self.names if n not in names)
+        label = f"{self.name}.only({', '.join(map(repr, names))})"
+        return attrs.evolve(self, idle=idle, name=label)
 
     def map_steps(self, fn: Callable[[Step], Step]) -> Several:
         """The same step with ``fn`` applied to each member's step (how ``compiled`` wraps)."""
@@ -205,18 +170,34 @@ class Several:
             _check_state(self, state)
             own = state.members[name]
             assert isinstance(own, TrainState)
-            others = Others(
-                views={n: view(m, False) for n, m in state.members.items() if n != name},
-                owner=name,
-            )
             with _all_evaluating(state):
+                # Shared outputs in evaluation mode, without gradient, read as constants.
+                outputs = run_forwards(
+                    dict(self.outputs),
+                    dict(self.steps),
+                    dict(state.members),
+                    batch,
+                    True,
+                    Pending(),
+                    idle=tuple(self.names),
+                )
+                others = Others(
+                    views={n: view(m, False) for n, m in state.members.items() if n != name},
+                    owner=name,
+                    outputs=outputs,
+                )
                 return inner(own.with_substate(KEY, others), batch)
 
         evaluate.__name__ = evaluate.__qualname__ = f"{self.name}.{name}"
         return evaluate
 
 
-def several(steps: Mapping[str, Step], *, share_loss_scale: bool = False) -> Several:
+def several(
+    steps: Mapping[str, Step],
+    *,
+    share_loss_scale: bool = False,
+    outputs: Mapping[str, tuple[str, Callable[[Callable[..., Any], Batch], Any]]] | None = None,
+) -> Several:
     """One step over several models: each member's step in turn, within one call.
 
     ``steps`` maps each trained member of a :class:`Models` state to its step (from
@@ -237,6 +218,15 @@ def several(steps: Mapping[str, Step], *, share_loss_scale: bool = False) -> Sev
             g_loss = g_loss_fn(g, batch, {"d": d})
         g_loss.backward(); g_opt.step(); g_opt.zero_grad()
 
+    ``outputs={"fake": ("g", make_fake)}`` runs a forward that several members read once
+    per call, as the plain loop's ``fake = G(z)``: at the start of the call
+    ``make_fake(apply, batch)`` runs member ``"g"``'s forward (its BatchNorm statistics
+    updated once, under its step's autocast), and every member's loss reads the result
+    as ``models.outputs["fake"]``. The owner's loss gets it with its gradient path: the
+    backward of its loss goes through ``fake`` into its parameters, through the graph of
+    that one forward (``errG.backward()`` in the plain loop), not a second forward. The
+    others get it as a constant (``fake.detach()``).
+
     With ``with_amp(step, "fp16")`` each member keeps its own loss scale (the loop with a
     ``GradScaler`` per optimizer); ``share_loss_scale=True`` gives them one, as one
     ``GradScaler`` for both optimizers: every member's step in a call uses the scale as
@@ -247,14 +237,18 @@ def several(steps: Mapping[str, Step], *, share_loss_scale: bool = False) -> Sev
     Args:
         steps: member name -> step, in the order they run.
         share_loss_scale: one fp16 loss scale for all members (each needs ``with_amp``).
+        outputs: name -> ``(member, fn)``: shared forwards, ``fn(apply, batch)`` with
+            ``apply`` the member's forward; its step must be a :func:`model_step`
+            without ``grad_accumulate`` or ``sync_on_last`` (their windows backpropagate
+            each microbatch on their own), and it returns one floating tensor.
 
     Returns:
         A :class:`Several`: ``(Models, batch) -> (Models, metrics)``.
 
     Raises:
         TypeError: ``steps`` is not a mapping of names to fasttorch steps.
-        ValueError: no steps, one step object under two names, or members that
-            disagree on donation.
+        ValueError: no steps, one step object under two names, members that
+            disagree on donation, or an output whose member has no step here.
 
     Example:
         >>> import torch, fasttorch
@@ -326,7 +320,10 @@ def several(steps: Mapping[str, Step], *, share_loss_scale: bool = False) -> Sev
                 "fasttorch.with_amp(step, 'fp16')"
             )
     return Several(
-        steps=tuple(steps.items()), name=f"several({names})", share_loss_scale=share_loss_scale
+        steps=tuple(steps.items()),
+        name=f"several({names})",
+        share_loss_scale=share_loss_scale,
+        outputs=check_outputs(steps, outputs),
     )
 
 
@@ -353,7 +350,11 @@ def _check_state(step: Several, state: Any) -> None:
                 "train it as a TrainState.create(model, opt), or drop its step"
             )
     stepped = dict(step.steps)
-    untrained = [n for n, m in members.items() if isinstance(m, TrainState) and n not in stepped]
+    untrained = [
+        n
+        for n, m in members.items()
+        if isinstance(m, TrainState) and n not in stepped and n not in step.idle
+    ]
     if untrained:
         raise ValueError(
             f"{step.name}: members {untrained} are TrainStates that no step trains; give "
@@ -385,8 +386,24 @@ def _run(step: Several, state: Models, batch: Batch) -> tuple[Models, Metrics]:
     metrics: Metrics = {}
     consumed: list[TrainState] = []
     scale = SharedScale() if step.share_loss_scale else None
+    pending = Pending()
     try:
+        outputs = (
+            run_forwards(
+                dict(step.outputs),
+                dict(step.steps),
+                members,
+                batch,
+                not step.donate,
+                pending,
+                idle=step.idle,
+            )
+            if step.outputs
+            else {}
+        )
         for name, s in step.steps:
+            if name in step.idle:
+                continue
             before = members[name]
             assert isinstance(before, TrainState)
             consumed.append(before)
@@ -398,14 +415,20 @@ def _run(step: Several, state: Models, batch: Batch) -> tuple[Models, Metrics]:
             if scale is not None:
                 own = scale.give(step.name, name, own)
             warn_captured(s, name, members)
-            new, metrics[name] = _run_member(s, name, own, members, batch)
+            mine = tuple(n for n, f in step.outputs if f.owner == name)
+            new, metrics[name] = _run_member(s, name, own, members, batch, outputs, mine)
             members[name] = new
+            for n, m in members.items():  # target networks that follow this member
+                if isinstance(m, Frozen) and m.follows == name:
+                    members[n] = m.followed(new, in_place=step.donate)
             if scale is not None:
                 scale.took(name, new, metrics[name])
     except BaseException:
         if step.donate and consumed:  # the members stepped so far were updated in place
             consume(state, consumed, f"{step.name}, which failed part-way")
         raise
+    finally:
+        pending.__exit__()
     if scale is not None:
         members = scale.combine(step.name, members)
     if step.donate:
@@ -414,7 +437,13 @@ def _run(step: Several, state: Models, batch: Batch) -> tuple[Models, Metrics]:
 
 
 def _run_member(
-    s: Step, name: str, own: TrainState, members: dict[str, Member], batch: Batch
+    s: Step,
+    name: str,
+    own: TrainState,
+    members: dict[str, Member],
+    batch: Batch,
+    outputs: Tensors | None = None,
+    mine: tuple[str, ...] = (),
 ) -> tuple[TrainState, Metrics]:
     """Member ``name``'s step on ``own``, the others given through its sub-state ``KEY``.
 
@@ -424,6 +453,8 @@ def _run_member(
     others = Others(
         views={n: view(m, not s.donate) for n, m in members.items() if n != name},
         owner=name,
+        outputs=dict(outputs or {}),
+        mine=mine,
     )
     given = own.with_substate(KEY, others)
     try:

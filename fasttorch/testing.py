@@ -282,6 +282,8 @@ def _check_composes_members(c: _Ctx, s: Several) -> str:
     for name, wrap in _compositions():
         if all(name in m.transforms for _, m in s.steps):
             continue
+        if name == "grad_accumulate" and s.outputs:
+            continue  # a shared output is the whole call's: no member splits the call
         wrapped = s.map_steps(_unless_applied(name, wrap))
         state, metrics = _run(wrapped, c.factory(), c.batches[:2])
         assert isinstance(state, Models)

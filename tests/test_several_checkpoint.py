@@ -189,22 +189,51 @@ def test_check_step_composes_each_member_and_catches_a_broken_one() -> None:
         check(whole_batches_only, fasttorch.model_step(g_loss))
 
 
-def test_teacher_is_not_saved_and_comes_from_the_template(tmp_path: Any) -> None:
+def _student_and_teacher() -> fasttorch.Models:
     torch.manual_seed(0)
+    return fasttorch.Models.create(
+        student=fasttorch.TrainState.create(torch.nn.Linear(6, 5), optim.adam(LR)),
+        teacher=fasttorch.Frozen.create(torch.nn.Linear(6, 5)),
+    )
 
-    def make() -> fasttorch.Models:
-        return fasttorch.Models.create(
-            student=fasttorch.TrainState.create(torch.nn.Linear(6, 5), optim.adam(LR)),
-            teacher=fasttorch.Frozen.create(torch.nn.Linear(6, 5)),
-        )
 
-    state = make()
+def test_frozen_members_are_saved_and_restored_bit_for_bit(tmp_path: Any) -> None:
+    state = _student_and_teacher()
     step = fasttorch.several({"student": fasttorch.model_step(kd_loss)})
     state, _ = step(state, (torch.randn(4, 6), torch.randint(0, 5, (4,))))
+    # A Frozen member whose weights moved (a target network, a teacher loaded later).
+    moved = {k: t + torch.randn_like(t) for k, t in state["teacher"].tensors.items()}
+    state = fasttorch.Models(
+        members={**state.members, "teacher": state["teacher"].replace(tensors=moved)}
+    )
     save_models(tmp_path, state)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["student"]
-    template = make()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["student"]  # carried by it
+    template = _student_and_teacher()
     loaded, _ = load_models(tmp_path, latest_models(tmp_path), template)
-    assert loaded["teacher"] is template["teacher"]
+    assert sorted(loaded.members) == ["student", "teacher"]
+    assert isinstance(loaded["teacher"], fasttorch.Frozen)
+    assert "several.frozen" not in loaded["student"].substates
+    fasttorch.testing.assert_states_close(loaded["teacher"].tensors, moved, **EXACT)
     trained = state["student"].params
     fasttorch.testing.assert_states_close(loaded["student"].params, trained, **EXACT)
+    # checkpoint.load and resume take the same path.
+    again, _ = fasttorch.checkpoint.resume(tmp_path, _student_and_teacher())
+    fasttorch.testing.assert_states_close(again["teacher"].tensors, moved, **EXACT)
+
+
+def test_a_checkpoint_without_frozen_members_warns_and_keeps_the_template(tmp_path: Any) -> None:
+    # Saved before Frozen members were saved: a state of the student alone stands for it.
+    state = _student_and_teacher()
+    save_models(tmp_path, fasttorch.Models.create(student=state["student"]))
+    template = _student_and_teacher()
+    with pytest.warns(UserWarning, match=r"holds no Frozen members.*\['teacher'\]"):
+        loaded, _ = load_models(tmp_path, latest_models(tmp_path), template)
+    assert loaded["teacher"] is template["teacher"]
+
+
+def test_a_member_that_a_checkpoint_cannot_hold_is_refused_at_save(tmp_path: Any) -> None:
+    state = _student_and_teacher()
+    odd = fasttorch.Models(members={**state.members, "odd": {"w": torch.zeros(2)}})  # type: ignore[dict-item]
+    with pytest.raises(fasttorch.checkpoint.CheckpointError, match=r"member 'odd' is a dict"):
+        save_models(tmp_path, odd)
+    assert not any(tmp_path.iterdir())

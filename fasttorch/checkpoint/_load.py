@@ -139,7 +139,7 @@ def load(
     With a :class:`fasttorch.Models` template (several models), ``path`` is the one
     :func:`save` returned for a ``Models`` state, ``directory/<name>``: each trained
     member is loaded from ``directory/<member>/<name>`` as :func:`load_models` does,
-    and the ``Frozen`` members are the template's.
+    and the ``Frozen`` members get the tensors saved with the first trained member.
 
     A template sharded with FSDP2 (``fully_shard``) gets this rank's part of each
     saved tensor, whether the checkpoint was saved by one process or by any number

@@ -327,7 +327,8 @@ def save(
     trained member, ``directory/<member>/<name>``, all under one name (the first
     member's step by default), as :func:`save_models` does; the returned path is
     ``directory/<name>``, which :func:`load` and :func:`resume` take with a ``Models``
-    template. Its ``Frozen`` members are not saved.
+    template. Its ``Frozen`` members (a teacher, a target network) are saved with the
+    first trained member.
 
     Args:
         directory: where checkpoints live (created if needed; shared by all ranks).
