@@ -39,7 +39,9 @@ class TorchOptimizer:
 
     ``options`` holds the keyword arguments given to :func:`from_torch` (without
     ``lr``) as sorted pairs; ``group`` is the parameter group torch built from them,
-    defaults filled in.
+    defaults filled in. ``lr`` is kept as a Python float (or a schedule); a tensor
+    ``lr`` becomes its value and ``lr_dtype`` its dtype (``None``: given as a float),
+    so the optimizer stays hashable static configuration.
 
     Example:
         >>> opt = TorchOptimizer(torch.optim.Adam, 1e-3)
@@ -48,8 +50,9 @@ class TorchOptimizer:
     """
 
     cls: type[torch.optim.Optimizer]
-    lr: LearningRate
+    lr: LearningRate | Tensor
     options: tuple[tuple[str, Any], ...] = ()
+    lr_dtype: torch.dtype | None = None
     group: tuple[tuple[str, Any], ...] = attrs.field(init=False, eq=False, repr=False)
     _algorithm: Algorithm = attrs.field(init=False, eq=False, repr=False)
     _kernel: Callable[..., None] = attrs.field(init=False, eq=False, repr=False)
@@ -65,19 +68,21 @@ class TorchOptimizer:
                 f"{sorted(ALGORITHMS)}, got {self.cls!r}. A new algorithm can be written "
                 "as a fasttorch optimizer instead (see docs/optimizers.md)."
             )
+        if isinstance(self.lr, Tensor):
+            value, dtype = _tensor_lr(name, self.lr)
+            object.__setattr__(self, "lr", value)
+            object.__setattr__(self, "lr_dtype", dtype)
         check_lr(f"from_torch({name})", self.lr)
         options = dict(self.options)
-        for k in ("capturable", "differentiable"):
-            if k in options:
+        for k, why in _SWITCHES.items():
+            if options.get(k):
                 raise ValueError(
-                    f"from_torch({name}): {k}= is chosen by fasttorch (capturable on "
-                    "accelerators and in compiled steps; differentiable never), got "
-                    f"{k}={options[k]!r}. Leave it out."
+                    f"from_torch({name}): {k}=True is not supported: {why}. Leave it out "
+                    f"(or pass {k}=False, torch's default)."
                 )
-        lr0 = self._lr_value()
         placeholder = torch.zeros(2, 2, requires_grad=True)
         # torch validates the hyperparameters and fills in its defaults.
-        group = dict(self.cls([placeholder], lr=lr0, **options).param_groups[0])
+        group = dict(self._torch([placeholder]).param_groups[0])
         del group["params"]
         algorithm = ALGORITHMS[name]
         if algorithm.check is not None:
@@ -89,10 +94,19 @@ class TorchOptimizer:
         object.__setattr__(self, "_kernel", kernel)
         object.__setattr__(self, "_accepted", frozenset(inspect.signature(kernel).parameters))
 
+    def _torch(self, params: list[Tensor]) -> torch.optim.Optimizer:
+        """``cls(params, lr=..., **options)``: torch's own checks of the arguments (and,
+        given the state's parameters, of each parameter: Muon's 2-D rule)."""
+        lr: float | Tensor = self._lr_value()
+        if self.lr_dtype is not None:  # torch's rules for a tensor lr apply
+            lr = torch.tensor(lr, dtype=self.lr_dtype)
+        cls: Any = self.cls  # each class has its own keyword arguments
+        return cls(params, lr=lr, **dict(self.options))  # type: ignore[no-any-return]
+
     def _lr_value(self) -> float:
         if callable(self.lr):
             return float(self.lr(torch.zeros((), dtype=torch.int64)))
-        return float(self.lr)
+        return float(self.lr)  # type: ignore[arg-type]
 
     def check_compilable(self) -> None:
         """Raise if this optimizer cannot run inside a compiled step, saying why.
@@ -117,29 +131,55 @@ class TorchOptimizer:
 
     def replace(self, **overrides: Any) -> TorchOptimizer:
         """The same algorithm with some hyperparameters replaced (for parameter groups)."""
-        lr = overrides.pop("lr", self.lr)
-        return TorchOptimizer(self.cls, lr, _options({**dict(self.options), **overrides}))
+        if "lr" in overrides:
+            lr, dtype = overrides.pop("lr"), None
+        else:
+            lr, dtype = self.lr, self.lr_dtype
+        options = _options({**dict(self.options), **overrides})
+        return TorchOptimizer(self.cls, lr, options, lr_dtype=dtype)
 
     def init(self, params: Mapping[str, Tensor]) -> OptState:
-        """Count 0, ``lr`` as a 0-d float32 tensor, torch's fresh state per parameter."""
+        """Count 0, ``lr`` as a tensor, torch's fresh state per parameter.
+
+        ``lr`` is a 1-element tensor, in float64 when it was given as a Python float
+        (every float's exact value), in its own dtype when it was given as a tensor.
+        Torch's rules for each parameter are checked here, with torch's own error:
+        the class is built over the parameters (Muon refuses any that is not 2-D), so
+        a state is refused when it is created, not inside its first step.
+        """
+        name = self.cls.__name__
+        tensors = [p.detach() for p in params.values()]
+        try:
+            self._torch(tensors)
+        except (ValueError, RuntimeError, TypeError) as e:
+            e.add_note(
+                f"fasttorch: raised by torch.optim.{name} over the state's parameters "
+                f"({list(params)[:5]}...), checked when the state is created. Give "
+                "these parameters another optimizer with fasttorch.optim.groups."
+            )
+            raise
         device = params_device(params)
         group = dict(self.group)
         slots: dict[str, dict[str, Tensor]] = {}
         for n, p in params.items():
             for key, t in self._algorithm.slots(p.detach(), group, self._lr_value()).items():
                 slots.setdefault(key, {})[n] = t
+        dtype = self.lr_dtype or torch.float64
+        # Shape (1,), not 0-d: torch.compile reads a 0-d float64 CPU input on every
+        # call (its implicit NaN guard calls .item()); a 1-element tensor is a tensor.
         hyper = (
             {}
             if callable(self.lr)
-            else {"lr": torch.tensor(float(self.lr), dtype=torch.float32, device=device)}
+            else {"lr": torch.full((1,), self._lr_value(), dtype=dtype, device=device)}
         )
         return OptState(
             count=torch.zeros((), dtype=torch.int64, device=device), hyper=hyper, slots=slots
         )
 
     def learning_rate(self, opt_state: OptState, step: Tensor) -> Tensor:
-        """``self.lr(step)`` for a schedule, else ``opt_state.hyper["lr"]``."""
-        return scheduled_or_fixed_lr(self.lr, opt_state, step)
+        """``self.lr(step)`` for a schedule, else ``opt_state.hyper["lr"]`` (0-d)."""
+        rate: LearningRate = self.lr  # type: ignore[assignment]  # a tensor: made a float
+        return scheduled_or_fixed_lr(rate, opt_state, step).reshape(())
 
     def update(
         self,
@@ -177,12 +217,41 @@ class TorchOptimizer:
             kwargs = {k: v for k, v in algorithm.kwargs(group).items() if k in accepted}
             kwargs.update(self._call_flags(p, group, accepted))
             if "lr" in accepted:  # Rprop reads it only to start its step sizes (init)
-                cpu_eager = not (kwargs.get("fused") or _compiling()) and lr.device.type == "cpu"
-                kwargs["lr"] = _host(lr) if cpu_eager else lr
+                kwargs["lr"] = self._kernel_lr(lr)
             if "has_complex" in accepted:
-                kwargs["has_complex"] = False
+                kwargs["has_complex"] = False  # TrainState.create refuses complex parameters
+            # torch's capturable single-tensor form divides by lr: at lr 0 it writes
+            # 0/0 = NaN where the moments are 0. torch's eager loop leaves the parameters
+            # as they were at lr 0 (the moments do not depend on lr), so those are kept.
+            guard = (
+                algorithm.nan_at_zero_lr
+                and kwargs.get("capturable", False)
+                and kwargs.get("foreach") is not True
+            )
+            old = (
+                [params[n] if not inplace else t.clone() for n, t in zip(names, p)] if guard else []
+            )
             fn(p, g, *lists, **kwargs)
+            if guard:
+                zero = kwargs["lr"] == 0
+                p = [_keep_where(zero, o, t, inplace) for o, t in zip(old, p)]
         return dict(zip(names, p)), opt_state.replace(count=count, slots=slots)
+
+    def _kernel_lr(self, lr: Tensor) -> float | Tensor:
+        """The learning rate as torch's kernel takes it in this call.
+
+        A float lr (or a schedule): eagerly on a CPU, the Python float (its exact value,
+        read from host memory, nothing to wait for), as ``torch.optim.X(lr=float)``
+        passes it; elsewhere (compiled, accelerators) a float32 tensor, as
+        ``torch.tensor(lr)`` gives ``X(capturable=True, lr=torch.tensor(lr))``: a tensor,
+        so that a new value is no new graph. A tensor lr: that tensor's value in its
+        own dtype, as torch passes it.
+        """
+        if self.lr_dtype is not None:
+            return lr.to(self.lr_dtype)
+        if not _compiling() and lr.device.type == "cpu":
+            return _host(lr)
+        return lr.to(torch.float32)
 
     def _call_flags(
         self, p: list[Tensor], group: Mapping[str, Any], accepted: frozenset[str]
@@ -206,15 +275,51 @@ def _compiling() -> bool:
 
 
 def _host(lr: Tensor) -> float:
-    """The learning rate as a Python number, for torch's non-capturable CPU kernels.
+    """The learning rate as a Python number, for torch's CPU kernels.
 
     Only on a CPU in eager mode: the value is already in host memory, nothing waits.
     """
-    return lr.item()
+    return float(lr)
+
+
+def _keep_where(zero: Tensor, old: Tensor, new: Tensor, inplace: bool) -> Tensor:
+    """``old`` where the 0-d ``zero`` is true, else ``new`` (into ``new`` in place)."""
+    kept = torch.where(zero, old, new)
+    return new.copy_(kept) if inplace else kept
+
+
+def _tensor_lr(name: str, lr: Tensor) -> tuple[float, torch.dtype]:
+    """A tensor lr's value and dtype, checked as torch checks it (one value)."""
+    if lr.numel() != 1 or not lr.is_floating_point():
+        raise ValueError(
+            f"from_torch({name}): a tensor lr must hold one floating-point value, got a "
+            f"{lr.dtype} tensor of shape {tuple(lr.shape)}. Pass e.g. torch.tensor(1e-3)."
+        )
+    return float(lr.detach().reshape(())), lr.dtype
+
+
+def _default_lr(cls: type[torch.optim.Optimizer]) -> float:
+    """The ``lr`` default of ``cls.__init__`` (torch's: Adadelta 1.0, Adagrad 1e-2, ...)."""
+    default = inspect.signature(cls.__init__).parameters["lr"].default
+    if not isinstance(default, (int, float)):
+        raise TypeError(f"from_torch: torch.optim.{cls.__name__} has no default lr; pass lr=")
+    return float(default)
+
+
+# The switches whose True changes how torch computes, and why fasttorch leaves them out.
+_SWITCHES = {
+    "capturable": "fasttorch chooses it: it runs torch's capturable kernel in compiled "
+    "steps and on accelerators, where the step count stays on the device; eagerly on a "
+    "CPU torch itself refuses capturable=True (its capturable kernels take accelerators "
+    "only)",
+    "differentiable": "it lets autograd differentiate through the update (torch then "
+    "runs the step with gradients enabled, by another code path); fasttorch's update is "
+    "not part of an autograd graph",
+}
 
 
 def from_torch(
-    cls: type[torch.optim.Optimizer], lr: LearningRate = 1e-3, **hyperparams: Any
+    cls: type[torch.optim.Optimizer], lr: LearningRate | Tensor | None = None, **hyperparams: Any
 ) -> TorchOptimizer:
     """A ``torch.optim`` algorithm as a pure fasttorch optimizer, run by torch's kernels.
 
@@ -276,6 +381,8 @@ def from_torch(
         raise TypeError(
             f"from_torch expects a torch.optim class such as torch.optim.AdamW, got {cls!r}"
         )
+    if lr is None:
+        lr = _default_lr(cls) if cls.__name__ in ALGORITHMS else 1e-3
     return TorchOptimizer(cls, lr, _options(hyperparams))
 
 
