@@ -29,11 +29,13 @@ from typing import Any
 
 import pytest
 import torch
-from reference import batches, mse
+from reference import batches, mse, reference_run
+from tolerance import fp32_reference_error, params_atol
 from torch import nn
 
 import fasttorch
 from fasttorch import optim
+from fasttorch.optim._torch_algorithms import ALGORITHMS
 
 
 def _load_optim_db() -> list[Any]:
@@ -183,3 +185,68 @@ def outcome(case: Case) -> str:
 def test_case_equals_torch_or_is_refused(case: Case) -> None:
     got = outcome(case)
     assert not got.startswith("different"), f"{case.kwargs}: {got}"
+
+
+def _compiled_cases() -> list[Case]:
+    """One input per class fasttorch runs: torch's last, which sets the most options."""
+    out = []
+    for info in OPTIM_DB:
+        inputs = [i for i in info.optim_inputs_func(device="cpu") if i.params is None]
+        if info.optim_cls.__name__ in ALGORITHMS and inputs:
+            out.append(Case(info.optim_cls, dict(inputs[-1].kwargs), inputs[-1].desc))
+    return out
+
+
+COMPILED = _compiled_cases()
+
+
+def _torch_compiled(case: Case) -> Any:
+    """make_opt: torch's class with capturable=True (where it has it) and a tensor lr,
+    its step under ``torch.compile``: what fasttorch's compiled step traces."""
+
+    def make(params: Any) -> torch.optim.Optimizer:
+        kw = _copy(case.kwargs)
+        if "capturable" in inspect.signature(case.cls.__init__).parameters:
+            kw["capturable"] = True
+        lr = kw.get("lr", inspect.signature(case.cls.__init__).parameters["lr"].default)
+        kw["lr"] = lr if isinstance(lr, torch.Tensor) else torch.tensor(lr)
+        opt = case.cls(list(params), **kw)
+        opt.step = torch.compile(opt.step, backend="aot_eager")  # type: ignore[method-assign]
+        return opt
+
+    return make
+
+
+@pytest.mark.parametrize("case", COMPILED, ids=[c.id for c in COMPILED])
+def test_compiled_case_equals_torch_compiled(case: Case) -> None:
+    """Rule 2 (module docstring): FACTOR x the fp32 eager loop's own error, measured on
+    this case, model and data against the same loop in float64."""
+    model, data = _model(case.cls), _data()
+    state = fasttorch.TrainState.create(
+        copy.deepcopy(model), optim.from_torch(case.cls, **_copy(case.kwargs))
+    )
+    step = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    if ALGORITHMS[case.cls.__name__].eager_only:  # Adafactor: refused before tracing
+        with pytest.raises(RuntimeError, match="cannot run in a compiled step: torch's"):
+            step(state, data[0])
+        return
+    for batch in data:
+        state, _ = step(state, batch)
+    windows = [[b] for b in data]
+    ref, _ = reference_run(model, windows, make_opt=_torch_compiled(case))
+    errors = fp32_reference_error(
+        model, windows, make_opt=lambda ps: case.cls(list(ps), **_copy(case.kwargs))
+    )
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+    bound = params_atol(errors, want)
+    for n, p in state.params.items():
+        torch.testing.assert_close(p, want[n], rtol=0.0, atol=bound, msg=lambda m, n=n: f"{n}: {m}")
+
+
+if __name__ == "__main__":  # python tests/test_optim_db.py: the eager cases by outcome
+    import collections
+
+    counts = collections.Counter(outcome(c) for c in CASES)
+    print(f"torch {torch.__version__}: {len(CASES)} cases")
+    for what, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+        print(f"{n:5d}  {what}")

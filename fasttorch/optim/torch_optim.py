@@ -1,7 +1,8 @@
-"""Any ``torch.optim`` algorithm as a pure fasttorch optimizer, run by torch's own kernels.
+"""The ``torch.optim`` algorithms as pure fasttorch optimizers, run by torch's own kernels.
 
 :func:`from_torch` wraps a ``torch.optim`` class: torch validates the hyperparameters
-(building the class once over a placeholder), the per-parameter state is torch's own
+(building the class over a placeholder, and over the parameters when a state is
+created), the per-parameter state is torch's own
 (same keys: ``exp_avg``, ``step``, ...) kept in the :class:`~fasttorch.optim.OptState`,
 and each update calls the algorithm's functional form (``torch.optim.adam.adam`` and so
 on) over the state's tensors: torch's single-tensor, foreach or fused code, not a copy
@@ -323,28 +324,46 @@ def from_torch(
 ) -> TorchOptimizer:
     """A ``torch.optim`` algorithm as a pure fasttorch optimizer, run by torch's kernels.
 
-    Every algorithm that updates from gradients alone: Adam, AdamW, SGD, RMSprop,
-    Adagrad, Adadelta, Adamax, NAdam, RAdam, ASGD, Rprop, Adafactor and Muon. Torch
-    checks ``hyperparams`` (its own errors) and fills in its defaults; each update calls
-    the algorithm's functional form (``torch.optim.adam.adam``, ...) over the state's
+    Covered: Adam, AdamW, SGD, RMSprop, Adagrad, Adadelta, Adamax, NAdam, RAdam, ASGD,
+    Rprop, Adafactor and Muon, with every option torch tests on a CPU
+    (tests/test_optim_db.py runs torch's own ``optim_db``). Torch checks
+    ``hyperparams`` (its own errors) and fills in its defaults; each update calls the
+    algorithm's functional form (``torch.optim.adam.adam``, ...) over the state's
     tensors, so the numbers are torch's own. The per-parameter state is torch's, under
     torch's keys (``state.opt_state.slots["exp_avg"][name]``, ``...["step"][name]``),
-    and ``lr`` is a 0-d tensor in ``opt_state.hyper`` (or a schedule), so changing it
-    (:func:`~fasttorch.optim.set_hyperparams`) does not recompile; the other
-    hyperparameters are fixed (a new value is a new optimizer).
+    and ``lr`` is a 1-element tensor in ``opt_state.hyper`` (or a schedule), so
+    changing it (:func:`~fasttorch.optim.set_hyperparams`) does not recompile; the
+    other hyperparameters are fixed (a new value is a new optimizer).
 
-    How torch runs it: in a compiled step, and eagerly on an accelerator, with
-    ``capturable=True`` (step count and lr stay on the device; no host sync), the path
-    torch itself takes for ``torch.compile(opt.step)`` (SGD, Adagrad and Muon have no
-    capturable form: eagerly on an accelerator torch reads their lr on the host, unless
-    ``fused=True``); eagerly on a CPU, torch's default
-    CPU path, which reads the step count and lr as Python numbers (host memory, nothing
-    to wait for) and gives the same bits as ``torch.optim.X(...).step()``. ``foreach=``
-    and ``fused=`` are passed on (``fused=True``: Adam, AdamW, SGD, Adagrad; eager
-    steps only, as torch does not let a compiler trace its fused kernels).
-    Adafactor reads parameter norms with ``.item()`` in every update (torch's code), so
-    it runs eagerly but cannot be compiled with ``fullgraph=True``. Muon takes 2-D
-    parameters only: give the others another optimizer with :func:`groups`.
+    ``lr`` left out is the class's own default (its ``__init__``'s: Adadelta 1.0;
+    Adagrad, RMSprop, Rprop, ASGD, Adafactor 1e-2; Adamax, NAdam 2e-3; the others
+    1e-3). A Python float keeps its exact value (held in float64); a tensor ``lr`` is
+    taken as torch takes one (its value, in its dtype).
+
+    What a step equals:
+
+    - eagerly on a CPU, ``torch.optim.X(params, lr=lr, **hyperparams)`` stepped the
+      same way, bit for bit: torch's default CPU kernel (or ``fused=True``'s), given
+      the lr as the Python float (a tensor lr: as that tensor) and the step count as
+      torch keeps it (host memory, nothing to wait for);
+    - compiled (and eagerly on an accelerator), torch's ``capturable=True`` kernel
+      with the lr as a float32 tensor (``torch.tensor(lr)``; a tensor lr as given), so
+      that step count and lr stay on the device and a new lr is no new graph: what
+      ``torch.compile`` of ``X(..., capturable=True, lr=torch.tensor(lr)).step`` runs
+      (SGD, Adagrad and Muon have no capturable form: eagerly on an accelerator
+      torch reads their lr on the host, unless ``fused=True``). One exception: at
+      ``lr == 0`` torch's capturable single-tensor Adam and AdamW divide 0 by 0 where
+      the moments are 0 (an unused embedding row) and write NaN; there the old
+      parameters are kept, as torch's eager loop keeps them (a ``torch.where``, no
+      host read).
+
+    ``foreach=`` and ``fused=`` are passed on (``fused=True``: Adam, AdamW, SGD,
+    Adagrad; eager steps only, as torch does not let a compiler trace its fused
+    kernels); ``capturable=False`` and ``differentiable=False`` (torch's defaults) are
+    accepted. Adafactor reads parameter norms with ``.item()`` in every update (torch's
+    code), so it runs eagerly but cannot be compiled with ``fullgraph=True``. Torch's
+    rules for each parameter are checked when the state is created: Muon takes 2-D
+    parameters only (give the others another optimizer with :func:`groups`).
 
     Equivalent to::
 
@@ -353,17 +372,20 @@ def from_torch(
 
     Args:
         cls: the ``torch.optim`` class, e.g. ``torch.optim.AdamW``.
-        lr: a float >= 0, or a schedule ``step -> 0-d tensor`` (``fasttorch.schedules``).
+        lr: a float >= 0, a 1-element tensor, or a schedule ``step -> 0-d tensor``
+            (``fasttorch.schedules``); default: the class's own.
         **hyperparams: the class's other keyword arguments (``betas``, ``weight_decay``,
-            ``foreach``, ``fused``, ...), except ``capturable`` and ``differentiable``.
+            ``foreach``, ``fused``, ...); ``capturable`` and ``differentiable`` only as
+            False.
 
     Returns:
         A :class:`TorchOptimizer`.
 
     Raises:
         ValueError: for LBFGS (needs a closure) and SparseAdam (sparse gradients), for
-            ``capturable``/``differentiable``, for SGD with momentum and dampening, and
-            for what torch itself refuses.
+            ``capturable=True``/``differentiable=True``, for SGD with momentum and
+            dampening, and for what torch itself refuses (``TrainState.create`` also
+            raises torch's error for a parameter the class refuses).
         TypeError: ``cls`` is not a ``torch.optim`` optimizer class.
 
     Example:
@@ -376,12 +398,14 @@ def from_torch(
         >>> params, state = opt.update(params, {"w": torch.ones(2)}, state, torch.tensor(0))
         >>> params["w"]
         tensor([0.8500, 0.8500])
+        >>> fasttorch.optim.from_torch(torch.optim.Adadelta).lr  # torch's default
+        1.0
     """
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise TypeError(
             f"from_torch expects a torch.optim class such as torch.optim.AdamW, got {cls!r}"
         )
-    if lr is None:
+    if lr is None:  # LBFGS and SparseAdam are refused before lr matters
         lr = _default_lr(cls) if cls.__name__ in ALGORITHMS else 1e-3
     return TorchOptimizer(cls, lr, _options(hyperparams))
 
