@@ -553,6 +553,21 @@ def test_no_nan_at_lr_zero(name: str, mode: str, lr: str) -> None:
     _assert_close(state, ref, "fp32", errors=_loop_errors(model, data, make, set_lr))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("foreach", [None, False])
+def test_cuda_eager_adamw_at_lr_zero_keeps_the_parameters(foreach: bool | None) -> None:
+    """Eagerly on an accelerator AdamW runs torch's capturable kernel: at lr 0 the
+    parameters stay exactly as they were (torch's eager loop: p * (1 - 0) + (-0) * u)."""
+    torch.manual_seed(0)
+    model = _Embed(bias=True).cuda()
+    data = [tuple(t.cuda() for t in b) for b in _embed_data()]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = optim.from_torch(torch.optim.AdamW, 0.0, foreach=foreach)
+    state = _run(fasttorch.TrainState.create(model, opt), fasttorch.step(mse), data)
+    for n, p in state.params.items():
+        torch.testing.assert_close(p, before[n], **EXACT, msg=lambda m, n=n: f"{n}: {m}")
+
+
 # ------------------------------------------------------------------------ groups
 
 

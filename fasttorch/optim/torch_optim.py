@@ -227,7 +227,7 @@ class TorchOptimizer:
             guard = (
                 algorithm.nan_at_zero_lr
                 and kwargs.get("capturable", False)
-                and kwargs.get("foreach") is not True
+                and not (kwargs.get("foreach") or kwargs.get("fused"))
             )
             old = (
                 [params[n] if not inplace else t.clone() for n, t in zip(names, p)] if guard else []
