@@ -126,7 +126,9 @@ def _loop_errors(
     data64 = [tuple(t.double() if t.is_floating_point() else t for t in b) for b in data]
     model64 = copy.deepcopy(model).double()
     ref64 = dict(_plain_loop(model64, data64, make_opt, before).named_parameters())
-    return {k: float((v.double() - ref64[k]).abs().max()) for k, v in ref32.items()}
+    return {
+        k: float((v.detach().double() - ref64[k].detach()).abs().max()) for k, v in ref32.items()
+    }
 
 
 def _assert_equal(state: fasttorch.TrainState, model: nn.Module) -> None:

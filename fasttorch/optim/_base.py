@@ -39,7 +39,8 @@ class OptState(struct.Record):
             applied so far (Adam's bias correction uses ``count + 1``).
         hyper: 0-d float32 tensors on the parameters' device, by name ("lr",
             "weight_decay", "momentum", "dampening", "beta1", "beta2", "eps" as the
-            algorithm needs); change them with :func:`set_hyperparams`.
+            algorithm needs; ``from_torch``'s "lr" is a 1-element tensor, float64 for a
+            Python float); change them with :func:`set_hyperparams`.
         slots: per-parameter buffers by slot name, then parameter name
             (``{"exp_avg": {"w": ...}}``), same dtype and device as the parameter.
 
