@@ -32,7 +32,8 @@ from fasttorch.testing import forbid_host_sync
 
 STEPS = 6
 LR = 0.01
-# The lr a float32 hyperparameter tensor holds, as a Python number for torch's loop.
+# The lr fasttorch's own optimizers hold (a float32 tensor), as a Python number for
+# torch's loop; from_torch keeps the float's own value (LR).
 LR32 = float(torch.tensor(LR))
 FP16 = {"init_scale": 2.0**22, "growth_interval": 3}
 
@@ -72,7 +73,7 @@ def _torch_opt(name: str, *, compiled: bool = False, **extra: Any) -> Any:
         kw = {**ALGOS[name], **extra}
         if compiled and "capturable" in inspect.signature(cls.__init__).parameters:
             kw["capturable"] = True
-        lr = torch.tensor(LR) if compiled else LR32
+        lr = torch.tensor(LR) if compiled else LR
         opt = cls([p for p in params if p.requires_grad], lr=lr, **kw)
         if compiled:
             opt.step = torch.compile(opt.step, backend="aot_eager")  # type: ignore[method-assign]
@@ -122,10 +123,12 @@ def _loop_errors(
     """Rule 2's measure for :func:`_plain_loop` (per-group options, lr changes): its
     fp32 run's error against the same loop in float64."""
     ref32 = dict(_plain_loop(model, data, make_opt, before).named_parameters())
-    data64 = [tuple(t.double() for t in b) for b in data]
+    data64 = [tuple(t.double() if t.is_floating_point() else t for t in b) for b in data]
     model64 = copy.deepcopy(model).double()
     ref64 = dict(_plain_loop(model64, data64, make_opt, before).named_parameters())
-    return {k: float((v.double() - ref64[k]).abs().max()) for k, v in ref32.items()}
+    return {
+        k: float((v.detach().double() - ref64[k].detach()).abs().max()) for k, v in ref32.items()
+    }
 
 
 def _assert_equal(state: fasttorch.TrainState, model: nn.Module) -> None:
@@ -380,8 +383,14 @@ def test_optimizer_is_hashable_static_configuration() -> None:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="capturable= is chosen by fasttorch"):
+    with pytest.raises(ValueError, match="capturable=True is not supported: fasttorch chooses"):
         optim.from_torch(torch.optim.Adam, capturable=True)
+    with pytest.raises(ValueError, match="differentiable=True is not supported: it lets autograd"):
+        optim.from_torch(torch.optim.SGD, differentiable=True)
+    with pytest.raises(ValueError, match="tensor lr must hold one floating-point value"):
+        optim.from_torch(torch.optim.SGD, torch.tensor([0.1, 0.2]))
+    with pytest.raises(ValueError, match="not supported for capturable=False and foreach=True"):
+        optim.from_torch(torch.optim.Adam, torch.tensor(0.1), foreach=True)  # torch's own rule
     with pytest.raises(ValueError, match="dampening"):
         optim.from_torch(torch.optim.SGD, momentum=0.9, dampening=0.1)
     with pytest.raises(TypeError, match="torch.optim class"):
@@ -390,6 +399,174 @@ def test_bad_arguments() -> None:
         optim.from_torch(torch.optim.Adam, -1.0)
     with pytest.raises(ValueError, match="Invalid beta parameter"):  # torch's own check
         optim.from_torch(torch.optim.Adam, betas=(1.5, 0.9))
+
+
+def test_no_op_switches_are_accepted() -> None:
+    """capturable=False and differentiable=False are torch's defaults: accepted."""
+    a = optim.from_torch(torch.optim.Adam, 0.1)
+    b = optim.from_torch(torch.optim.Adam, 0.1, capturable=False, differentiable=False)
+    assert dict(a.group) == dict(b.group)
+
+
+@pytest.mark.parametrize("name", sorted(ALGOS))
+def test_default_lr_is_the_torch_class_default(name: str) -> None:
+    cls = getattr(torch.optim, name)
+    default = inspect.signature(cls.__init__).parameters["lr"].default
+    opt = optim.from_torch(cls)
+    assert opt.lr == default and dict(opt.group)["lr"] == default
+    state = fasttorch.TrainState.create(_model(name), opt)
+    assert state.opt_state.hyper["lr"].item() == default  # the float's own value
+
+
+def test_float_lr_keeps_its_value_through_set_hyperparams() -> None:
+    """lr=3e-4 is torch's 3e-4 (float64 holds every Python float), before and after
+    set_hyperparams; eagerly the run is torch's with the same Python floats, bit for bit."""
+    model = _model("Adam")
+    data = batches(STEPS, 16)
+
+    def change(k: int, opt: Any) -> None:
+        if k == 3:
+            opt.param_groups[0]["lr"] = 7e-5
+
+    ref = _plain_loop(
+        model, data, lambda named: torch.optim.Adam([p for _, p in named], lr=3e-4), change
+    )
+    state = fasttorch.TrainState.create(
+        copy.deepcopy(model), optim.from_torch(torch.optim.Adam, 3e-4)
+    )
+    assert state.opt_state.hyper["lr"].item() == 3e-4
+    step = fasttorch.step(mse)
+    for k, batch in enumerate(data):
+        if k == 3:
+            state = state.replace(opt_state=optim.set_hyperparams(state.opt_state, lr=7e-5))
+            assert state.opt_state.hyper["lr"].item() == 7e-5
+        state, metrics = step(state, batch)
+    assert float(metrics["lr"]) == 7e-5
+    _assert_equal(state, ref)
+
+
+def test_tensor_lr_is_torchs_tensor_lr() -> None:
+    """A tensor lr runs as torch runs one (its dtype, its value), and stays static
+    configuration: equal optimizers hash alike."""
+    model = _model("Adam")
+    data = batches(STEPS, 16)
+    lr = torch.tensor(3e-4)
+    ref = _plain_loop(
+        model, data, lambda named: torch.optim.Adam([p for _, p in named], lr=lr.clone())
+    )
+    opt = optim.from_torch(torch.optim.Adam, lr)
+    assert opt == optim.from_torch(torch.optim.Adam, lr.clone()) and hash(opt) == hash(
+        optim.from_torch(torch.optim.Adam, lr.clone())
+    )
+    assert opt != optim.from_torch(torch.optim.Adam, float(lr))  # a float is a float
+    state = fasttorch.TrainState.create(copy.deepcopy(model), opt)
+    assert state.opt_state.hyper["lr"].dtype == torch.float32
+    _assert_equal(_run(state, fasttorch.step(mse), data), ref)
+
+
+def test_per_parameter_rules_are_checked_when_the_state_is_created() -> None:
+    """Muon on a model with 1-D parameters: torch's own error at create, not in step 1."""
+    with pytest.raises(ValueError, match="Muon only supports 2D parameters") as e:
+        fasttorch.TrainState.create(LayerNormNet(), optim.from_torch(torch.optim.Muon))
+    assert "checked when the state is created" in "\n".join(e.value.__notes__)
+    with pytest.raises(ValueError, match="Muon only supports 2D parameters"):
+        optim.from_torch(torch.optim.Muon).init({"w": torch.ones(2, 2), "b": torch.ones(2)})
+
+
+class _Embed(nn.Module):
+    """An embedding whose rows 5.. no batch uses: zero gradients, zero moments."""
+
+    def __init__(self, bias: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.out = nn.Linear(4, 2, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(x))
+
+
+def _embed_data() -> list[Any]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randint(0, 5, (8,), generator=g), torch.randn(8, 2, generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+# 0 at step 0, up to 0.01, back down to 0 at step 4 and after: through 0 twice.
+THROUGH_ZERO = fasttorch.schedules.warmup(2, fasttorch.schedules.cosine(0.01, 2))
+
+
+@pytest.mark.parametrize("lr", ["zero", "schedule"])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("name", COMPILABLE)
+def test_no_nan_at_lr_zero(name: str, mode: str, lr: str) -> None:
+    """No NaN at lr 0 with unused embedding rows, eager and compiled, against torch's
+    EAGER loop (torch's compiled capturable Adam writes 0/0 there, docs/design.md).
+
+    Eagerly the kernels are torch's eager ones: bit for bit. Compiled: rule 2 (the
+    capturable kernel, the compiled backward), with the fp32 loop's error measured on
+    this model, data and lr sequence; the rows no batch reaches must come out finite.
+    """
+    torch.manual_seed(0)
+    model = _Embed(bias=name != "Muon")
+    data = _embed_data()
+    lrs = (
+        [0.0] * STEPS
+        if lr == "zero"
+        else [float(THROUGH_ZERO(torch.tensor(k))) for k in range(STEPS)]
+    )
+    assert lrs.count(0.0) >= 2
+    cls = getattr(torch.optim, name)
+    # torch's defaults: no L2 decay that would make the unused rows' gradients nonzero
+    kw: dict[str, Any] = {"lr": lrs[0]}
+
+    def set_lr(k: int, opt: Any) -> None:
+        opt.param_groups[0]["lr"] = lrs[k]
+
+    def make(named: Any) -> Any:
+        return cls([p for _, p in named], **kw)
+
+    ref = _plain_loop(model, data, make, set_lr)
+    sched = 0.0 if lr == "zero" else THROUGH_ZERO
+    state = fasttorch.TrainState.create(copy.deepcopy(model), optim.from_torch(cls, sched))
+    step = fasttorch.step(mse)
+    if mode == "compiled":
+        step = fasttorch.compiled(step, backend="aot_eager")
+    state = _run(state, step, data)
+    for n, p in state.params.items():
+        assert torch.isfinite(p).all(), f"{n}: {p}"
+    if mode == "eager":
+        _assert_equal(state, ref)
+        return
+    if name == "Muon":
+        # Muon orthogonalizes in bfloat16: a compiled backward's last-bit difference
+        # flips bf16 roundings, far beyond rule 2. Its reference is torch's compiled
+        # Muon with a tensor lr (no division by lr there, nothing to avoid).
+        ref = copy.deepcopy(model)
+        opt = cls(ref.parameters(), **{**kw, "lr": torch.tensor(lrs[0])})
+        ref_step = torch.compile(opt.step, backend="aot_eager")
+        for k, batch in enumerate(data):
+            opt.param_groups[0]["lr"].fill_(lrs[k])
+            mse(ref, batch).backward()
+            ref_step()
+            opt.zero_grad(set_to_none=True)
+    _assert_close(state, ref, "fp32", errors=_loop_errors(model, data, make, set_lr))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("foreach", [None, False])
+def test_cuda_eager_adamw_at_lr_zero_keeps_the_parameters(foreach: bool | None) -> None:
+    """Eagerly on an accelerator AdamW runs torch's capturable kernel: at lr 0 the
+    parameters stay exactly as they were (torch's eager loop: p * (1 - 0) + (-0) * u)."""
+    torch.manual_seed(0)
+    model = _Embed(bias=True).cuda()
+    data = [tuple(t.cuda() for t in b) for b in _embed_data()]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = optim.from_torch(torch.optim.AdamW, 0.0, foreach=foreach)
+    state = _run(fasttorch.TrainState.create(model, opt), fasttorch.step(mse), data)
+    for n, p in state.params.items():
+        torch.testing.assert_close(p, before[n], **EXACT, msg=lambda m, n=n: f"{n}: {m}")
 
 
 # ------------------------------------------------------------------------ groups
@@ -450,9 +627,12 @@ def test_groups_match_torch_param_groups(make: Any, torch_cls: str, kw: dict[str
     model = LayerNormNet()
     data = batches(STEPS, 16)
 
+    exact = isinstance(make(), optim.TorchOptimizer)  # from_torch keeps the floats' values
+
     def make_ref(named: Any) -> Any:
+        lr, hidden = (LR, 0.002) if exact else (LR32, HIDDEN_LR)
         return getattr(torch.optim, torch_cls)(
-            _torch_groups(named, lr=HIDDEN_LR), lr=LR32, weight_decay=0.1, **kw
+            _torch_groups(named, lr=hidden), lr=lr, weight_decay=0.1, **kw
         )
 
     ref = _plain_loop(model, data, make_ref)
@@ -528,7 +708,7 @@ def test_groups_with_another_optimizer_muon_and_adamw() -> None:
     ref = copy.deepcopy(model)
     mats = [p for p in ref.parameters() if p.ndim == 2]
     rest = [p for p in ref.parameters() if p.ndim != 2]
-    ref_opts = [torch.optim.Muon(mats, lr=LR32), torch.optim.AdamW(rest, lr=LR32)]
+    ref_opts = [torch.optim.Muon(mats, lr=LR), torch.optim.AdamW(rest, lr=LR)]
     for batch in data:
         mse(ref, batch).backward()
         for o in ref_opts:

@@ -3,7 +3,7 @@
 Each optimizer is a frozen configuration object; its state is an :class:`OptState`
 pytree whose hyperparameters are 0-d tensors, so a compiled step never recompiles when
 they change. Updates use torch's ``_foreach_*`` kernels and never modify their inputs.
-:func:`from_torch` runs any gradient-only ``torch.optim`` algorithm through torch's own
+:func:`from_torch` runs the gradient-only ``torch.optim`` algorithms through torch's own
 functional kernels; :func:`groups` gives groups of parameters their own
 hyperparameters; docs/optimizers.md shows how to write a new optimizer.
 """

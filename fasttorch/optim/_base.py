@@ -39,7 +39,8 @@ class OptState(struct.Record):
             applied so far (Adam's bias correction uses ``count + 1``).
         hyper: 0-d float32 tensors on the parameters' device, by name ("lr",
             "weight_decay", "momentum", "dampening", "beta1", "beta2", "eps" as the
-            algorithm needs); change them with :func:`set_hyperparams`.
+            algorithm needs; ``from_torch``'s "lr" is a 1-element tensor, float64 for a
+            Python float); change them with :func:`set_hyperparams`.
         slots: per-parameter buffers by slot name, then parameter name
             (``{"exp_avg": {"w": ...}}``), same dtype and device as the parameter.
 
@@ -206,7 +207,8 @@ def set_hyperparams(
 ) -> OptState:
     """A copy of ``opt_state`` with some hyperparameters replaced.
 
-    The new values become 0-d tensors of the old ones' dtype and device, so a compiled
+    The new values become tensors of the old ones' shape (0-d; ``from_torch``'s lr has
+    one element), dtype and device, so a compiled
     step sees new tensor *values*, not new constants, and does not recompile. The
     torch.optim equivalent is ``for g in opt.param_groups: g["lr"] = value``.
 
@@ -264,11 +266,11 @@ def set_hyperparams(
                     f"got a tensor of shape {tuple(value.shape)}."
                 )
             check_hyper("set_hyperparams", name, float(value.detach().reshape(())))
-            hyper[name] = value.detach().reshape(()).to(dtype=old.dtype, device=old.device)
+            hyper[name] = value.detach().reshape(old.shape).to(dtype=old.dtype, device=old.device)
         else:
             # a parameter group's hyperparameter ("group0.lr") has the range of its own
             check_hyper("set_hyperparams", name.rsplit(".", 1)[-1], value)
-            hyper[name] = torch.tensor(float(value), dtype=old.dtype, device=old.device)
+            hyper[name] = torch.full(old.shape, float(value), dtype=old.dtype, device=old.device)
     if in_place:
         # Checked first, written after: a bad value leaves every tensor as it was.
         for name in values:

@@ -50,6 +50,10 @@ class Algorithm:
         fixed: keyword arguments the class passes itself (AdamW's decoupled decay).
         eager_only: why the form cannot be compiled, or ``""``.
         check: raises for a group fasttorch cannot run, or ``None``.
+        nan_at_zero_lr: the capturable single-tensor form divides by lr, so at lr 0
+            it writes NaN where the moments are 0 (torch's eager form does not):
+            ``TorchOptimizer`` keeps the old parameters there. Found for each class
+            by tests/test_optim_torch.py's lr-0 test.
     """
 
     module: str
@@ -61,6 +65,7 @@ class Algorithm:
     fixed: tuple[tuple[str, Any], ...] = ()
     eager_only: str = ""
     check: Callable[[Mapping[str, Any]], None] | None = None
+    nan_at_zero_lr: bool = False
 
     def kwargs(self, group: Mapping[str, Any]) -> dict[str, Any]:
         """The group's hyperparameters under the functional form's keyword names."""
@@ -167,9 +172,14 @@ def _muon(p: Tensor, group: Mapping[str, Any], lr: float) -> dict[str, Tensor]:
 _ADAM_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")
 
 ALGORITHMS: dict[str, Algorithm] = {
-    "Adam": Algorithm("torch.optim.adam", "adam", _ADAM_STATE, _adam),
+    "Adam": Algorithm("torch.optim.adam", "adam", _ADAM_STATE, _adam, nan_at_zero_lr=True),
     "AdamW": Algorithm(
-        "torch.optim.adam", "adam", _ADAM_STATE, _adam, fixed=(("decoupled_weight_decay", True),)
+        "torch.optim.adam",
+        "adam",
+        _ADAM_STATE,
+        _adam,
+        fixed=(("decoupled_weight_decay", True),),
+        nan_at_zero_lr=True,
     ),
     "SGD": Algorithm("torch.optim.sgd", "sgd", ("momentum_buffer",), _sgd, True, check=_sgd_check),
     "RMSprop": Algorithm(

@@ -128,9 +128,7 @@ def load_torch_state_dict(
     hyper = dict(opt_state.hyper)
     groups_ = state_dict["param_groups"]
     if len(groups_) == 1 and "lr" in hyper:
-        hyper["lr"] = torch.as_tensor(float(groups_[0]["lr"]), dtype=hyper["lr"].dtype).to(
-            hyper["lr"].device
-        )
+        hyper["lr"] = torch.full_like(hyper["lr"], float(groups_[0]["lr"]))
     count = torch.full_like(opt_state.count, taken)
     return state.replace(
         opt_state=opt_state.replace(count=count, hyper=hyper, slots=slots),
