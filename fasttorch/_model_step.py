@@ -13,6 +13,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from fasttorch._peers import KEY, Peers
 from fasttorch._shared_forward import FORWARD_KEY, PREFIX, Request, owner_grads
 from fasttorch.phases import Batch, Loss, Tensors, grad_phase, loss_phase, update_phase
@@ -68,6 +70,9 @@ def model_step(
 
     call.__name__ = call.__qualname__ = name
     inner = loss_phase(call)
+    # The owner of a shared output reaches its parameters through it, apply or not
+    # (and in evaluation, where nothing is differentiated, may read it alone).
+    owning = loss_phase(call, needs_apply=False)
 
     def loss(state: TrainState, params: Tensors, buffers: Tensors, batch: Batch) -> Loss:
         request: Request | None = state.substates.get(FORWARD_KEY)
@@ -81,12 +86,14 @@ def model_step(
                 "state, or build a one-model step with fasttorch.step(loss_fn)"
             )
         outputs = None
+        phase = owning if others.outputs and not torch.is_grad_enabled() else inner
         if others.mine:  # the outputs it owns are differentiated as extra "parameters"
             outputs = {**others.outputs}
             outputs.update((k[len(PREFIX) :], v) for k, v in params.items() if k[:1] == "\x00")
             params = {k: v for k, v in params.items() if k[:1] != "\x00"}
+            phase = owning
         # The data first: the default sample count is its first tensor's leading size.
-        return inner(state, params, buffers, (batch, Peers(others, outputs)))
+        return phase(state, params, buffers, (batch, Peers(others, outputs)))
 
     def grad(loss: Any, state: TrainState, batch: Batch, mult: Any) -> Any:
         others = state.substates.get(KEY)

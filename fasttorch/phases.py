@@ -143,8 +143,13 @@ GradPhase: TypeAlias = Callable[[LossPhase, TrainState, Batch, Any], GradOut]
 UpdatePhase: TypeAlias = Callable[[TrainState, GradOut], "tuple[TrainState, Metrics]"]
 
 
-def loss_phase(loss_fn: LossFn) -> LossPhase:
-    """The loss phase of ``fasttorch.step(loss_fn)``: ``loss_fn(apply, batch)`` as a ``Loss``."""
+def loss_phase(loss_fn: LossFn, *, needs_apply: bool = True) -> LossPhase:
+    """The loss phase of ``fasttorch.step(loss_fn)``: ``loss_fn(apply, batch)`` as a ``Loss``.
+
+    ``needs_apply=False`` lets the loss reach the parameters other than through
+    ``apply``: through a forward of the same parameters the step differentiates as
+    well (a shared forward's output, :func:`fasttorch.several`'s ``outputs``).
+    """
     name = getattr(loss_fn, "__name__", repr(loss_fn))
 
     def loss(state: TrainState, params: Tensors, buffers: Tensors, batch: Batch) -> Loss:
@@ -180,7 +185,7 @@ def loss_phase(loss_fn: LossFn) -> LossPhase:
                 )
                 raise
         record = as_loss(out, batch, name)
-        if len(called) == 0:  # not bool(list): dynamo on torch 2.11 refuses it
+        if needs_apply and len(called) == 0:  # not bool(list): dynamo on 2.11 refuses it
             # The model itself, or a copy of it, ran instead: under compiled or
             # donate=False that trains nothing, and a donated eager step, whose state
             # shares the model's tensors, refuses it too rather than train differently.

@@ -478,3 +478,26 @@ def test_a_member_splitting_the_call_is_refused_beside_a_shared_output() -> None
         fasttorch.several(
             {"d": split, "g": fasttorch.model_step(g_loss)}, outputs={"fake": ("g", make_fake)}
         )
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_an_owner_reading_neither_apply_nor_its_output_is_refused(compile: bool) -> None:
+    # The owner may reach its parameters through its shared output instead of apply;
+    # a loss that uses neither (the generator run as a copy) still trains nothing.
+    g, d = models()
+    copy_of_g = copy.deepcopy(g)
+
+    def g_copy_loss(apply: Any, batch: Any, models: fasttorch.Peers) -> Any:
+        real, noise = batch
+        out = models["d"](copy_of_g(noise))
+        return nn.BCELoss()(out, torch.ones(real.size(0)))
+
+    step = fasttorch.several(
+        {"d": fasttorch.model_step(d_loss), "g": fasttorch.model_step(g_copy_loss)},
+        outputs={"fake": ("g", make_fake)},
+    )
+    if compile:
+        step = fasttorch.compiled(step, backend="aot_eager")
+    s, _ = state(g, d)
+    with pytest.raises(ValueError, match="reached none of the state's parameters"):
+        step(s, data(1)[0])
