@@ -9,7 +9,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from fasttorch import _checks
+from fasttorch import _checks, _compat
 from fasttorch.optim import _fused
 from fasttorch.optim._base import (
     LearningRate,
@@ -112,7 +112,10 @@ class SGD:
                 return dict(zip(names, p)), opt_state.replace(count=count)
             if not inplace:
                 p, g = [t.clone() for t in p], [t.clone() for t in g]
-            torch._foreach_add_(g, _foreach_mul(p, hyper["weight_decay"]))
+            # Python numbers where the step may read them (once per change), else tensors.
+            host = not (torch.compiler.is_compiling() or _compat.in_functorch_transform())
+            # torch's grad.add(param, alpha=weight_decay): one rounding.
+            _add_scaled_(g, p, hyper["weight_decay"], host)
             slots = opt_state.slots
             if self._has_momentum:
                 momentum = hyper["momentum"]
@@ -125,12 +128,16 @@ class SGD:
                 if not inplace:
                     bufs = [t.clone() for t in bufs]
                 torch._foreach_mul_(bufs, momentum)
+                # g * coef is exact where coef is 1 (the first step, or dampening 0):
+                # then the sum rounds once, as torch's add(grad, alpha=1 - dampening).
                 torch._foreach_add_(bufs, _foreach_mul(g, coef))
                 if self.nesterov:
-                    torch._foreach_add_(g, _foreach_mul(bufs, momentum))
+                    _add_scaled_(g, bufs, momentum, host)
                 else:
                     g = bufs
                 slots = {"momentum_buffer": dict(zip(names, bufs))}
+            # p + g * -lr, rounded twice, as torch's SGD with a tensor lr under
+            # torch.compile (eagerly it reads the lr to the host for add(alpha=-lr)).
             # lr in the lists' dtype (float32 from a schedule's float64: the cast the op
             # would make, same bits), for CUDA's multi-tensor path.
             lr = lr if torch.compiler.is_compiling() else lr.to(_fused.factor_dtype(p[0].dtype))
@@ -219,6 +226,17 @@ class SGD:
                 grad_scale=grad_scale,
                 found_inf=found_inf,
             )
+
+
+def _add_scaled_(a: list[Tensor], b: list[Tensor], s: Tensor, host: bool) -> None:
+    """``a += s * b`` rounded once, as torch's ``a.add_(b, alpha=s)`` (a fused
+    multiply-add on CPU and CUDA): with ``s`` as a Python float read once per change
+    (:func:`_fused.host_float`) where ``host``, else as ``addcmul`` with the 0-d tensor,
+    which rounds the same way."""
+    if host:
+        torch._foreach_add_(a, b, alpha=_fused.host_float(s))
+    else:
+        torch._foreach_addcmul_(a, b, [s] * len(a))
 
 
 def sgd(
