@@ -420,17 +420,19 @@ def _adamw_per_tensor(
 
     h, count = state.hyper, state.count + 1
     lr, beta1, beta2, eps, wd = h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
-    t = count.to(torch.float64)
+    t = count.to(torch.float32)
+    step_size = beta1.pow(t).sub(1).div(lr).reciprocal()
+    bc2 = beta2.pow(t).sub(1).neg().sqrt()
     decay, w, beta2, rest2, step_size, bc2, eps = computed_once(
-        1 - lr * wd, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1**t), (1 - beta2**t).sqrt(), eps
+        1 - lr * wd, 1 - beta1, beta2, 1 - beta2, step_size, bc2, eps
     )
     new_p, new_m, new_v = {}, {}, {}
     for n, p in params.items():
         g, m, v = grads[n], state.slots["exp_avg"][n], state.slots["exp_avg_sq"][n]
         p = p * decay
         new_m[n] = m = m.lerp(g, w.to(m.dtype))
-        new_v[n] = v = v * beta2 + g * g * rest2
-        new_p[n] = p - m / (v.sqrt() / bc2 + eps) * step_size
+        new_v[n] = v = torch.addcmul(v * beta2, g * rest2, g)
+        new_p[n] = torch.addcdiv(p, m, (v.sqrt() / bc2 + eps) / step_size)
     return new_p, state.replace(count=count, slots={"exp_avg": new_m, "exp_avg_sq": new_v})
 
 
