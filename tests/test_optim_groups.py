@@ -295,9 +295,8 @@ def test_groups_equal_the_grouping_code_people_use(case: str, lr: float | str) -
         compiled, _ = fast(compiled, batch)
     for n, p in ref.named_parameters():
         assert bool(eager.params[n].isfinite().all()), n
-        msg = f"{case} {n}"
-        torch.testing.assert_close(eager.params[n], p.detach(), **EXACT, msg=lambda m: msg + m)
-        torch.testing.assert_close(compiled.params[n], eager.params[n], **EXACT)
+        torch.testing.assert_close(eager.params[n], p.detach(), **EXACT, msg=f"{case}: {n}")
+        torch.testing.assert_close(compiled.params[n], eager.params[n], **EXACT, msg=n)
         if lr == 0.0:  # nothing moves at lr 0, decay included (1 - 0 * wd)
             torch.testing.assert_close(p.detach(), dict(model.named_parameters())[n].detach())
 

@@ -303,9 +303,7 @@ class Groups:
     def _prefix(i: int) -> str:
         return "" if i == 0 else f"group{i - 1}."
 
-    def init(
-        self, params: Mapping[str, Tensor], *, module: nn.Module | None = None
-    ) -> GroupsState:
+    def init(self, params: Mapping[str, Tensor], *, module: nn.Module | None = None) -> GroupsState:
         """Each group's optimizer's state, merged: hyperparameters of rule ``i`` prefixed
         ``"group{i}."``, slots by parameter name, and each group's parameter names.
 
