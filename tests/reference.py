@@ -175,9 +175,9 @@ def adam_twin(
     or AdamW) with ``foreach=True, capturable=True``, a float32 tensor lr and the other
     hyperparameters' float32 values, which fasttorch equals bit for bit given the same
     gradients (docs/optimizers.md). Its ``step`` runs inside :func:`capturable_on_cpu`.
-    Its float32 bias corrections differ from the default form's doubles by up to
-    ``u / (1 - beta2**t)`` relative in the first steps: compare fasttorch with it, not
-    with the default form, where rule 2's bound is the loop's own rounding."""
+    Its float32 bias corrections differ from the default form's doubles by up to 3.3e-6
+    relative in the first steps (beta2 0.999), more than rule 2's bound at a large lr:
+    compare fasttorch with it, not with the default form."""
     kw: dict[str, Any] = {"betas": (f32(betas[0]), f32(betas[1])), "eps": f32(eps)}
     if weight_decay is not None:
         kw["weight_decay"] = f32(weight_decay)

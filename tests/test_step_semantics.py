@@ -55,7 +55,7 @@ OPTIMIZERS = {
         lambda p: torch.optim.SGD(p, 0.1, momentum=0.9, weight_decay=0.1),
     ),
     # adam and adamw against their torch twin (tests/reference.adam_twin): torch's default
-    # form's float64 bias corrections move early steps more than rule 2's bound.
+    # form's double bias corrections move early steps more than rule 2's bound.
     "adamw": (
         lambda: F.adamw(0.05, weight_decay=0.1),
         adam_twin(torch.optim.AdamW, 0.05, weight_decay=0.1),

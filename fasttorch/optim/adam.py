@@ -458,7 +458,9 @@ def adam(
     ``torch.optim.Adam(fused=True)`` bit for bit. torch's default form (no
     ``capturable``, no ``fused``) reads the step count to the host, computes the bias
     corrections in Python doubles and takes ``1 - beta`` from the double ``beta``: it
-    differs by roundings. Measured (torch 2.13 CPU; four tensors up to 3072 x 768,
+    differs by roundings. The float32 bias corrections (capturable's and the CUDA fused
+    kernel's too) carry their own: ``sqrt(1 - beta2**t)`` is 3.3e-6 relative from the
+    double's at t = 2 and 3 for beta2 = 0.999, 1e-7 from t = 10 on (measured). Measured (torch 2.13 CPU; four tensors up to 3072 x 768,
     entries ~0.02, N(0, 1) gradients, lr 1e-3): with the same float32 hyperparameter
     values 4.8% of the parameters differ after one step and 17.9% after ten, by at most
     1.2 float32 epsilons times the tensor's largest entry; with Python's 0.9 and 0.999,
