@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
 import pytest
 import torch
+from reference import capturable_on_cpu as allow_capturable_on_cpu
+from reference import f32
 from tolerance import EXACT, params_atol, unit_roundoff
 from torch import Tensor, nn
 
@@ -524,11 +525,6 @@ def test_inductor_computes_a_shared_factor_once_when_asked() -> None:
 # lr; SGD with ``foreach=True`` and a tensor lr as torch.compile runs it (dampening 0).
 
 
-def _f32(x: float) -> float:
-    """``x`` as a float32 hyperparameter tensor holds it."""
-    return float(torch.tensor(x, dtype=torch.float32))
-
-
 TWIN_SHAPES = {"w": (8, 5), "b": (8,), "odd": (37, 33), "unused": (6, 4)}
 """"odd": a length with a vector tail; "unused": a parameter whose gradient is always 0
 (an embedding's rows no batch reads), so Adam's second moment stays 0."""
@@ -550,14 +546,10 @@ TWINS: dict[str, tuple[Callable[..., Any], str, dict[str, Any]]] = {
 
 
 @pytest.fixture
-def capturable_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch refuses ``capturable=True`` for CPU tensors outside torch.compile (a check
-    of the device type, made for CUDA graphs; the kernels are the device-generic
-    ``_foreach_*`` calls): allowed here, so the twin runs eagerly beside fasttorch."""
-    module = importlib.import_module("torch.optim.adam")  # torch.optim.adam is a function
-    monkeypatch.setattr(
-        module, "_get_capturable_supported_devices", lambda supports_xla=True: ["cpu"]
-    )
+def capturable_on_cpu() -> Iterator[None]:
+    """torch's capturable Adam on CPU tensors, outside torch.compile (tests/reference.py)."""
+    with allow_capturable_on_cpu():
+        yield
 
 
 def _twin(name: str, params: list[nn.Parameter], lr: float, mode: str) -> torch.optim.Optimizer:
@@ -567,12 +559,12 @@ def _twin(name: str, params: list[nn.Parameter], lr: float, mode: str) -> torch.
     if cls != "SGD":  # torch's defaults, which are fasttorch's, as Python floats
         kw = {"betas": (0.9, 0.999), "eps": 1e-8, **kw}
     hyper: dict[str, Any] = {
-        k: (tuple(_f32(b) for b in v) if k == "betas" else v if k == "nesterov" else _f32(v))
+        k: (tuple(f32(b) for b in v) if k == "betas" else v if k == "nesterov" else f32(v))
         for k, v in kw.items()
     }
     lr_t = torch.tensor(lr, dtype=torch.float32)
     if cls == "AdamW" and "weight_decay" not in hyper:
-        hyper["weight_decay"] = _f32(1e-2)  # fasttorch's adamw default, torch's too
+        hyper["weight_decay"] = f32(1e-2)  # fasttorch's adamw default, torch's too
     if mode == "fused":
         return getattr(torch.optim, cls)(params, lr=lr_t, fused=True, **hyper)
     if cls == "SGD":

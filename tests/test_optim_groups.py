@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import importlib
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import pytest
 import torch
+from reference import capturable_on_cpu as allow_capturable_on_cpu
+from reference import f32
 from tolerance import EXACT
 from torch import nn
 
@@ -36,12 +37,7 @@ LR = 0.01
 STEPS = 4
 
 
-def _f32(x: float) -> float:
-    """``x`` as a float32 hyperparameter tensor holds it."""
-    return float(torch.tensor(x, dtype=torch.float32))
-
-
-WD = _f32(0.05)
+WD = f32(0.05)
 
 
 class Net(nn.Module):
@@ -232,13 +228,10 @@ EXPECTED_NO_DECAY = {
 
 
 @pytest.fixture
-def capturable_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch refuses ``capturable=True`` for CPU tensors outside torch.compile (a check
-    of the device type, made for CUDA graphs): allowed here so the twin runs eagerly."""
-    module = importlib.import_module("torch.optim.adam")  # torch.optim.adam is a function
-    monkeypatch.setattr(
-        module, "_get_capturable_supported_devices", lambda supports_xla=True: ["cpu"]
-    )
+def capturable_on_cpu() -> Iterator[None]:
+    """torch's capturable Adam on CPU tensors, outside torch.compile (tests/reference.py)."""
+    with allow_capturable_on_cpu():
+        yield
 
 
 def _decay_by_name(model: nn.Module, torch_groups: list[dict[str, Any]]) -> dict[str, float]:
@@ -274,8 +267,8 @@ def test_groups_equal_the_grouping_code_people_use(case: str, lr: float | str) -
     twin = torch.optim.AdamW(
         torch_groups,
         lr=torch.tensor(lr_of(0)),
-        betas=(_f32(0.9), _f32(0.999)),
-        eps=_f32(1e-8),
+        betas=(f32(0.9), f32(0.999)),
+        eps=f32(1e-8),
         foreach=True,
         capturable=True,
     )
