@@ -177,7 +177,12 @@ class TrainState(struct.Record):
         return cls(
             params=params,
             buffers=buffers,
-            opt_state=optimizer.init(params),
+            # an optimizer whose init reads the module (groups' module selectors) gets it
+            opt_state=(
+                optimizer.init(params, module=module)  # type: ignore[call-arg]
+                if getattr(optimizer, "init_reads_module", False)
+                else optimizer.init(params)
+            ),
             step=torch.zeros((), dtype=torch.int64, device=device),
             rng=initial_rng_state(device, default_seed() if seed is None else seed),
             substates={},

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import copy
+import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
-from tolerance import params_atol, unit_roundoff
+from reference import capturable_on_cpu as allow_capturable_on_cpu
+from reference import f32
+from tolerance import EXACT, params_atol, unit_roundoff
 from torch import Tensor, nn
 
 from fasttorch import optim, schedules
-from fasttorch.optim import OptState
+from fasttorch.optim import OptState, _fused
 
 STEPS = 20
 
@@ -417,17 +421,19 @@ def _adamw_per_tensor(
 
     h, count = state.hyper, state.count + 1
     lr, beta1, beta2, eps, wd = h["lr"], h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
-    t = count.to(torch.float64)
+    t = count.to(torch.float32)
+    step_size = beta1.pow(t).sub(1).div(lr).reciprocal()
+    bc2 = beta2.pow(t).sub(1).neg().sqrt()
     decay, w, beta2, rest2, step_size, bc2, eps = computed_once(
-        1 - lr * wd, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1**t), (1 - beta2**t).sqrt(), eps
+        1 - lr * wd, 1 - beta1, beta2, 1 - beta2, step_size, bc2, eps
     )
     new_p, new_m, new_v = {}, {}, {}
     for n, p in params.items():
         g, m, v = grads[n], state.slots["exp_avg"][n], state.slots["exp_avg_sq"][n]
         p = p * decay
         new_m[n] = m = m.lerp(g, w.to(m.dtype))
-        new_v[n] = v = v * beta2 + g * g * rest2
-        new_p[n] = p - m / (v.sqrt() / bc2 + eps) * step_size
+        new_v[n] = v = torch.addcmul(v * beta2, g * rest2, g)
+        new_p[n] = torch.addcdiv(p, m, (v.sqrt() / bc2 + eps) / step_size)
     return new_p, state.replace(count=count, slots={"exp_avg": new_m, "exp_avg_sq": new_v})
 
 
@@ -507,3 +513,168 @@ def test_inductor_computes_a_shared_factor_once_when_asked() -> None:
         assert all(torch.equal(o, r) for o, r in zip(out, scaled(False)(*args)))
         pows[once] = "\n".join(code).count("std::pow")
     assert pows[True] == 1 and pows[False] >= 3, pows
+
+
+# ----------------------------------------------------- torch twins, bit for bit
+#
+# Rule 1 (tests/README.md): each native optimizer runs the operations of one torch
+# configuration in its order, so given the same values (the hyperparameters as the state
+# holds them, float32) the two agree bit for bit, in every path: eager out of place, in
+# place, in a CPU graph (aot_eager runs the graph's ATen operations) and, for Adam, the
+# opaque operator. The twins: Adam(W) with ``foreach=True, capturable=True`` and a tensor
+# lr; SGD with ``foreach=True`` and a tensor lr as torch.compile runs it (dampening 0).
+
+
+TWIN_SHAPES = {"w": (8, 5), "b": (8,), "odd": (37, 33), "unused": (6, 4)}
+""""odd": a length with a vector tail; "unused": a parameter whose gradient is always 0
+(an embedding's rows no batch reads), so Adam's second moment stays 0."""
+
+TWINS: dict[str, tuple[Callable[..., Any], str, dict[str, Any]]] = {
+    "adam": (optim.adam, "Adam", {}),
+    "adam_l2": (
+        optim.adam,
+        "Adam",
+        {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1},
+    ),
+    "adamw": (optim.adamw, "AdamW", {}),
+    "adamw_wd": (optim.adamw, "AdamW", {"betas": (0.5, 0.9), "weight_decay": 0.3}),
+    "sgd": (optim.sgd, "SGD", {}),
+    "sgd_wd": (optim.sgd, "SGD", {"weight_decay": 0.1}),
+    "sgd_momentum": (optim.sgd, "SGD", {"momentum": 0.9, "weight_decay": 0.01}),
+    "sgd_nesterov": (optim.sgd, "SGD", {"momentum": 0.8, "nesterov": True, "weight_decay": 0.01}),
+}
+
+
+@pytest.fixture
+def capturable_on_cpu() -> Iterator[None]:
+    """torch's capturable Adam on CPU tensors, outside torch.compile (tests/reference.py)."""
+    with allow_capturable_on_cpu():
+        yield
+
+
+def _twin(name: str, params: list[nn.Parameter], lr: float, mode: str) -> torch.optim.Optimizer:
+    """The torch optimizer ``name``'s ``mode`` equals: torch's fused kernel for the fused
+    path, else the foreach form above."""
+    _, cls, kw = TWINS[name]
+    if cls != "SGD":  # torch's defaults, which are fasttorch's, as Python floats
+        kw = {"betas": (0.9, 0.999), "eps": 1e-8, **kw}
+    hyper: dict[str, Any] = {
+        k: (tuple(f32(b) for b in v) if k == "betas" else v if k == "nesterov" else f32(v))
+        for k, v in kw.items()
+    }
+    lr_t = torch.tensor(lr, dtype=torch.float32)
+    if cls == "AdamW" and "weight_decay" not in hyper:
+        hyper["weight_decay"] = f32(1e-2)  # fasttorch's adamw default, torch's too
+    if mode == "fused":
+        return getattr(torch.optim, cls)(params, lr=lr_t, fused=True, **hyper)
+    if cls == "SGD":
+        opt = torch.optim.SGD(params, lr=lr_t, foreach=True, **hyper)
+        opt.step = torch.compile(opt.step, backend="aot_eager")  # type: ignore[method-assign]
+        return opt
+    return getattr(torch.optim, cls)(params, lr=lr_t, foreach=True, capturable=True, **hyper)
+
+
+def _twin_grads(steps: int) -> list[dict[str, Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    return [
+        {
+            n: torch.zeros(s) if n == "unused" else torch.randn(s, generator=gen)
+            for n, s in TWIN_SHAPES.items()
+        }
+        for _ in range(steps)
+    ]
+
+
+def _native_update(opt: Any, mode: str) -> Callable[..., Any]:
+    """``opt.update`` as ``mode`` runs it: out of place, in place, compiled (a CPU graph,
+    out of place) or opaque (compiled in place: Adam's ``fasttorch::adam_`` operator)."""
+    if mode == "eager":
+        return opt.update
+    if mode in ("inplace", "fused"):  # fused: a donated eager step on a GPU
+        return functools.partial(opt.update, inplace=True)
+    torch._dynamo.reset()
+    inplace = mode == "opaque"
+    return torch.compile(  # type: ignore[no-any-return]
+        functools.partial(opt.update, inplace=inplace), fullgraph=True, backend="aot_eager"
+    )
+
+
+def _assert_equal(got: Tensor, want: Tensor, what: str) -> None:
+    torch.testing.assert_close(got, want, **EXACT, msg=lambda m: f"{what}: {m}")
+
+
+def _run_twins(
+    name: str, mode: str, lr: float | schedules.Schedule, steps: int = 6
+) -> dict[str, Tensor]:
+    """``steps`` updates of the native optimizer (``mode``) and its torch twin from the
+    same start; params and slots compared bit for bit after every step. Returns the
+    native params."""
+    factory, cls, kw = TWINS[name]
+    opaque = {"opaque": True} if mode == "opaque" else {}
+    opt = factory(lr, **kw, **opaque)
+    gen = torch.Generator().manual_seed(4)
+    start = {n: torch.randn(s, generator=gen) for n, s in TWIN_SHAPES.items()}
+    ref = {n: nn.Parameter(t.clone()) for n, t in start.items()}
+    at = (lambda k: float(lr(torch.tensor(k)))) if callable(lr) else (lambda k: lr)
+    twin = _twin(name, list(ref.values()), at(0), mode)
+    params = {n: t.clone() for n, t in start.items()}
+    state = opt.init(params)
+    update = _native_update(opt, mode)
+    fused = frozenset({"cuda", "cpu"}) if mode == "fused" else _fused.FUSED_DEVICES
+    for k, grads in enumerate(_twin_grads(steps)):
+        twin.param_groups[0]["lr"].fill_(at(k))
+        for n, p in ref.items():
+            p.grad = grads[n].clone()
+        twin.step()
+        with mock.patch.object(_fused, "FUSED_DEVICES", fused):
+            params, state = update(
+                params, {n: g.clone() for n, g in grads.items()}, state, torch.tensor(k)
+            )
+        for n, p in ref.items():
+            _assert_equal(params[n], p.detach(), f"{name} {mode} step {k} {n}")
+            for slot, by_name in state.slots.items():
+                _assert_equal(by_name[n], twin.state[p][slot], f"{name} {mode} step {k} {slot} {n}")
+    return params
+
+
+# Every path of every optimizer: the opaque operator is Adam's only; "fused" runs the
+# donated eager GPU step's kernel (FUSED_DEVICES with "cpu" added), whose twin is torch's
+# fused=True.
+PATHS = [
+    (name, mode)
+    for name in sorted(TWINS)
+    for mode in ("eager", "inplace", "compiled", "opaque", "fused")
+    if mode != "opaque" or name.startswith("adam")
+]
+
+
+@pytest.mark.usefixtures("capturable_on_cpu")
+@pytest.mark.parametrize(("name", "mode"), PATHS)
+def test_native_optimizer_equals_its_torch_twin_bit_for_bit(name: str, mode: str) -> None:
+    _run_twins(name, mode, 0.05)
+
+
+@pytest.mark.usefixtures("capturable_on_cpu")
+@pytest.mark.parametrize(("name", "mode"), PATHS)
+def test_lr_zero_and_a_warmup_from_zero_give_no_nan(name: str, mode: str) -> None:
+    """lr 0 (and a warmup that starts at 0) with a parameter whose gradient is always 0:
+    Adam's step is m / (denom / (-lr / (1 - beta1^t))), whose denominator is -inf at
+    lr 0, never 0/0. Twin-equal at every step; at lr 0 nothing moves, as in torch's
+    eager loop (coupled decay enters the moments only, decoupled decay is 1 - 0 * wd)."""
+    gen = torch.Generator().manual_seed(4)
+    start = {n: torch.randn(s, generator=gen) for n, s in TWIN_SHAPES.items()}
+    still = _run_twins(name, mode, 0.0, steps=3)
+    for n, p in still.items():
+        _assert_equal(p, start[n], f"{name} {mode} at lr 0: {n}")
+    warm = _run_twins(name, mode, schedules.linear_warmup(0.05, 3), steps=5)
+    assert all(bool(p.isfinite().all()) for p in warm.values())
+    # torch's default (host-sync) loop at lr 0 leaves every parameter as it was too.
+    factory, cls, kw = TWINS[name]
+    ref = {n: nn.Parameter(t.clone()) for n, t in start.items()}
+    default = getattr(torch.optim, cls)(list(ref.values()), lr=0.0, **kw)
+    for grads in _twin_grads(3):
+        for n, p in ref.items():
+            p.grad = grads[n].clone()
+        default.step()
+    for n, p in ref.items():
+        _assert_equal(p.detach(), start[n], f"torch.optim.{cls} at lr 0: {n}")

@@ -11,17 +11,31 @@ hyperparameters; docs/optimizers.md shows how to write a new optimizer.
 from fasttorch.optim._base import LearningRate, Optimizer, OptState, set_hyperparams
 from fasttorch.optim.adam import Adam, adam, adamw
 from fasttorch.optim.every import Every, every
-from fasttorch.optim.groups import Groups, GroupsState, Selector, groups
+from fasttorch.optim.groups import (
+    EMBEDDINGS,
+    NORMALIZATION,
+    Groups,
+    GroupsState,
+    ModuleSelector,
+    Selector,
+    groups,
+    in_module,
+    is_bias,
+    with_module,
+)
 from fasttorch.optim.sgd import SGD, sgd
 from fasttorch.optim.torch_optim import TorchOptimizer, from_torch, load_torch_state_dict
 
 __all__ = [
+    "EMBEDDINGS",
+    "NORMALIZATION",
     "SGD",
     "Adam",
     "Every",
     "Groups",
     "GroupsState",
     "LearningRate",
+    "ModuleSelector",
     "OptState",
     "Optimizer",
     "Selector",
@@ -31,7 +45,10 @@ __all__ = [
     "every",
     "from_torch",
     "groups",
+    "in_module",
+    "is_bias",
     "load_torch_state_dict",
     "set_hyperparams",
     "sgd",
+    "with_module",
 ]

@@ -9,19 +9,147 @@ from typing import Any
 
 import attrs
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from fasttorch import struct
 from fasttorch.optim._base import Optimizer, OptState, in_place_in_graph
 
-__all__ = ["Groups", "GroupsState", "Selector", "groups"]
+__all__ = [
+    "EMBEDDINGS",
+    "NORMALIZATION",
+    "Groups",
+    "GroupsState",
+    "ModuleSelector",
+    "Selector",
+    "groups",
+    "in_module",
+    "is_bias",
+    "with_module",
+]
 
-Selector = str | re.Pattern[str] | Callable[[str, Tensor], bool]
+NORMALIZATION: tuple[type[nn.Module], ...] = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.LazyBatchNorm1d,
+    nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    nn.LazyInstanceNorm1d,
+    nn.LazyInstanceNorm2d,
+    nn.LazyInstanceNorm3d,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    nn.RMSNorm,
+)
+"""torch's normalization layers: the classes torchvision's ``set_weight_decay`` gives
+``norm_weight_decay`` (every batch and instance norm, ``LayerNorm``, ``GroupNorm``,
+``LocalResponseNorm``), named by their public classes, and ``RMSNorm``. Subclasses
+match too (``isinstance``)."""
+
+EMBEDDINGS: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
+"""torch's embedding layers."""
+
+
+@attrs.frozen
+class ModuleSelector:
+    """A selector that also reads the module that owns each parameter (built by
+    :func:`in_module` or :func:`with_module`).
+
+    ``predicate(name, tensor, module)``: ``name`` the parameter's full name, ``module``
+    the submodule it is registered on (``model.get_submodule`` of the name's prefix).
+    The module is the one :meth:`Groups.init` is given (``TrainState.create`` gives
+    its model).
+    """
+
+    predicate: Callable[[str, Tensor, nn.Module], bool]
+    description: str
+
+    def __call__(self, name: str, tensor: Tensor, module: nn.Module) -> bool:
+        """Whether the parameter ``name`` (``tensor``), registered on ``module``, is taken."""
+        return bool(self.predicate(name, tensor, module))
+
+    def __repr__(self) -> str:
+        return self.description
+
+
+Selector = str | re.Pattern[str] | Callable[[str, Tensor], bool] | ModuleSelector
 """Which parameters a group takes: a glob on the name (``"*.bias"``, ``fnmatch``), a
 compiled regular expression (``re.compile(r"blocks\\.[0-3]\\.")``, searched in the
-name), or a predicate ``(name, tensor) -> bool`` that reads names, shapes and dtypes
-(not values). Selectors run once, when the state is created (:meth:`Groups.init`): a
-step, compiled or not, reads the parameter names they chose."""
+name), a predicate ``(name, tensor) -> bool`` that reads names, shapes and dtypes
+(not values), or a :class:`ModuleSelector` that also reads the module owning the
+parameter (:func:`in_module`, :func:`with_module`). Selectors run once, when the state
+is created (:meth:`Groups.init`): a step, compiled or not, reads the parameter names
+they chose."""
+
+
+def in_module(*types: type[nn.Module]) -> ModuleSelector:
+    """Selects the parameters registered on a module of one of ``types`` (``isinstance``).
+
+    ``in_module(*NORMALIZATION)`` is torchvision's ``norm_classes`` rule,
+    ``in_module(*EMBEDDINGS)`` takes embedding tables.
+
+    Args:
+        types: ``nn.Module`` classes, at least one.
+
+    Returns:
+        A :class:`ModuleSelector`.
+
+    Raises:
+        TypeError: no types, or one that is not an ``nn.Module`` class.
+
+    Example:
+        >>> import torch, fasttorch
+        >>> from fasttorch import optim
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LayerNorm(2))
+        >>> opt = optim.groups(optim.adamw(1e-3), [(optim.in_module(*optim.NORMALIZATION),
+        ...                                         {"weight_decay": 0.0})])
+        >>> fasttorch.TrainState.create(model, opt).opt_state.names
+        (('0.weight', '0.bias'), ('1.weight', '1.bias'))
+    """
+    if not types or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
+        raise TypeError(
+            f"in_module takes nn.Module classes, got {types!r}. Pass e.g. "
+            "in_module(torch.nn.LayerNorm) or in_module(*fasttorch.optim.NORMALIZATION)."
+        )
+    names = ", ".join(t.__name__ for t in types)
+    return ModuleSelector(lambda name, p, m: isinstance(m, types), f"in_module({names})")
+
+
+def with_module(predicate: Callable[[str, Tensor, nn.Module], bool]) -> ModuleSelector:
+    """A selector from a predicate ``(name, tensor, module) -> bool``, where ``module``
+    is the submodule the parameter is registered on (its type, its attributes).
+
+    Example:
+        >>> import torch
+        >>> from fasttorch import optim
+        >>> heads = optim.with_module(lambda n, p, m: getattr(m, "out_features", 0) == 1)
+        >>> heads("0.weight", torch.ones(1, 4), torch.nn.Linear(4, 1))
+        True
+    """
+    if not callable(predicate):
+        raise TypeError(
+            f"with_module takes a predicate (name, tensor, module) -> bool, got {predicate!r}"
+        )
+    return ModuleSelector(predicate, f"with_module({getattr(predicate, '__name__', predicate)})")
+
+
+def is_bias(name: str, tensor: Tensor) -> bool:
+    """Selects parameters registered under the attribute name ``bias`` (``"fc.bias"``,
+    ``"bias"``; not ``"attn_bias"``): torchvision's custom key ``"bias"``, timm's
+    ``name.endswith(".bias")``.
+
+    Example:
+        >>> import torch
+        >>> from fasttorch import optim
+        >>> [optim.is_bias(n, torch.ones(1)) for n in ("fc.bias", "bias", "fc.attn_bias")]
+        [True, True, False]
+    """
+    return name.rpartition(".")[2] == "bias"
 
 
 class GroupsState(OptState):
@@ -40,12 +168,39 @@ class GroupsState(OptState):
     names: tuple[tuple[str, ...], ...] = struct.field(static=True, default=())
 
 
-def _matches(selector: Selector, name: str, tensor: Tensor) -> bool:
+def _matches(selector: Selector, name: str, tensor: Tensor, module: nn.Module | None) -> bool:
     if isinstance(selector, str):
         return fnmatch.fnmatchcase(name, selector)
     if isinstance(selector, re.Pattern):
         return selector.search(name) is not None
+    if isinstance(selector, ModuleSelector):
+        return selector(name, tensor, _owner(module, selector, name))
     return bool(selector(name, tensor))
+
+
+def _owner(module: nn.Module | None, selector: ModuleSelector, name: str) -> nn.Module:
+    """The submodule of ``module`` that registers the parameter ``name``."""
+    if module is None:
+        raise ValueError(
+            f"groups: the selector {selector!r} reads the module that owns each "
+            "parameter, and no module was given to choose the groups (an optimizer "
+            "state built from parameters alone, or a state that names no groups). Build "
+            "the state with fasttorch.TrainState.create(model, opt), which gives the "
+            "model, or call opt.init(params, module=model)."
+        )
+    prefix = name.rpartition(".")[0]
+    try:
+        return module.get_submodule(prefix)
+    except AttributeError as e:
+        raise ValueError(
+            f"groups: the selector {selector!r} looks for the module that owns parameter "
+            f"{name!r}, and {type(module).__name__} has no submodule {prefix!r}. Give "
+            "init the module whose named_parameters() the parameters came from."
+        ) from e
+
+
+def _is_module(selector: Selector) -> bool:
+    return isinstance(selector, ModuleSelector)
 
 
 def _derive(default: Optimizer, overrides: Mapping[str, Any] | Optimizer) -> Optimizer:
@@ -111,17 +266,29 @@ class Groups:
             for s in self.selectors
         )
 
-    def assign(self, params: Mapping[str, Tensor]) -> dict[str, int]:
-        """Each parameter's optimizer index: the first matching rule's, else 0."""
+    #: :class:`~fasttorch.TrainState` passes ``module=`` to ``init`` (module selectors).
+    init_reads_module = True
+
+    def assign(
+        self, params: Mapping[str, Tensor], module: nn.Module | None = None
+    ) -> dict[str, int]:
+        """Each parameter's optimizer index: the first matching rule's, else 0.
+
+        ``module``: the model the parameters' names come from, which a
+        :class:`ModuleSelector` reads (required when there is one).
+        """
         out = {}
         for name, p in params.items():
             out[name] = next(
-                (i + 1 for i, s in enumerate(self._patterns) if _matches(s, name, p)), 0
+                (i + 1 for i, s in enumerate(self._patterns) if _matches(s, name, p, module)), 0
             )
         return out
 
     def _split(
-        self, params: Mapping[str, Tensor], opt_state: OptState | None = None
+        self,
+        params: Mapping[str, Tensor],
+        opt_state: OptState | None = None,
+        module: nn.Module | None = None,
     ) -> list[list[str]]:
         """Each optimizer's parameter names: as ``opt_state`` names them when it names
         every one of ``params`` (a subset when unreached ones are skipped), else chosen
@@ -129,17 +296,21 @@ class Groups:
         chosen = opt_state.names if isinstance(opt_state, GroupsState) else ()
         if chosen and {n for names in chosen for n in names}.issuperset(params):
             return [[n for n in names if n in params] for names in chosen]
-        where = self.assign(params)
+        where = self.assign(params, module)
         return [[n for n in params if where[n] == i] for i in range(len(self.optimizers))]
 
     @staticmethod
     def _prefix(i: int) -> str:
         return "" if i == 0 else f"group{i - 1}."
 
-    def init(self, params: Mapping[str, Tensor]) -> GroupsState:
+    def init(self, params: Mapping[str, Tensor], *, module: nn.Module | None = None) -> GroupsState:
         """Each group's optimizer's state, merged: hyperparameters of rule ``i`` prefixed
-        ``"group{i}."``, slots by parameter name, and each group's parameter names."""
-        parts = self._split(params)
+        ``"group{i}."``, slots by parameter name, and each group's parameter names.
+
+        ``module``: the model the parameters' names come from, which module selectors
+        (:func:`in_module`) read; :meth:`fasttorch.TrainState.create` passes its model.
+        """
+        parts = self._split(params, module=module)
         for i, names in enumerate(parts[1:]):
             if not names:
                 raise ValueError(
@@ -152,7 +323,11 @@ class Groups:
         slots: dict[str, dict[str, Tensor]] = {}
         count = None
         for i, (opt, names) in enumerate(zip(self.optimizers, parts)):
-            sub = opt.init({n: params[n] for n in names})
+            sub_params = {n: params[n] for n in names}
+            if getattr(opt, "init_reads_module", False):
+                sub = opt.init(sub_params, module=module)  # type: ignore[call-arg]
+            else:
+                sub = opt.init(sub_params)
             count = sub.count if count is None else count
             hyper.update({self._prefix(i) + k: v for k, v in sub.hyper.items()})
             for k, v in sub.slots.items():
@@ -276,8 +451,11 @@ def groups(
     Args:
         default: the optimizer of unmatched parameters, and the base of dict overrides.
         rules: ``(selector, overrides)`` pairs; a selector is a glob on the name
-            (``"*.bias"``), a compiled regular expression (searched), or a predicate
-            ``(name, tensor) -> bool`` on names, shapes, dtypes.
+            (``"*.bias"``), a compiled regular expression (searched), a predicate
+            ``(name, tensor) -> bool`` on names, shapes, dtypes (:func:`is_bias`), or a
+            module selector that reads the module owning the parameter
+            (``in_module(*NORMALIZATION)``, ``in_module(*EMBEDDINGS)``,
+            :func:`with_module`), resolved when ``TrainState.create`` builds the state.
 
     Returns:
         A :class:`Groups` optimizer.
@@ -301,11 +479,20 @@ def groups(
             "groups: rules must be a list of (selector, overrides) pairs, got "
             f"{rules!r}. Pass e.g. [('*.bias', {{'weight_decay': 0.0}})]."
         )
-    for selector, _ in rules:
+    for selector, overrides in rules:
         if not (isinstance(selector, (str, re.Pattern)) or callable(selector)):
             raise TypeError(
-                f"groups: a selector is a glob string, a re.Pattern or a predicate "
-                f"(name, tensor) -> bool, got {selector!r}."
+                f"groups: a selector is a glob string, a re.Pattern, a predicate "
+                f"(name, tensor) -> bool or a module selector (in_module, with_module), "
+                f"got {selector!r}."
+            )
+        if isinstance(overrides, Groups) and any(map(_is_module, overrides.selectors)):
+            raise TypeError(
+                "groups: a rule's optimizer is groups(...) with a module selector "
+                f"({next(s for s in overrides.selectors if _is_module(s))!r}); an inner "
+                "groups chooses its parameters inside the step, where the module is not "
+                "at hand. Put that rule in this call's list instead (a parameter takes "
+                "the first rule that matches it)."
             )
     if isinstance(default, Groups):
         raise TypeError(
