@@ -11,14 +11,12 @@ hyperparameters; docs/optimizers.md shows how to write a new optimizer.
 from fasttorch.optim._base import LearningRate, Optimizer, OptState, set_hyperparams
 from fasttorch.optim.adam import Adam, adam, adamw
 from fasttorch.optim.every import Every, every
-from fasttorch.optim.groups import (
+from fasttorch.optim.groups import Groups, GroupsState, groups
+from fasttorch.optim.selectors import (
     EMBEDDINGS,
     NORMALIZATION,
-    Groups,
-    GroupsState,
     ModuleSelector,
     Selector,
-    groups,
     in_module,
     is_bias,
     with_module,

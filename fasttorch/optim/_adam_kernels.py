@@ -1,0 +1,258 @@
+"""Adam(W)'s kernels: torch's fused kernel, the ``_foreach_*`` forms and one operator.
+
+:class:`~fasttorch.optim.adam.Adam` is the algorithm and chooses among these: torch's
+fused kernel for a donated eager GPU step (:func:`fused`), the ``_foreach_*`` calls of
+``torch.optim.Adam(foreach=True, capturable=True)`` eagerly (:func:`foreach`), their
+out-of-place form in a CPU graph (:func:`graph_update`), and ``fasttorch::adam_``, the
+in-place form as one operator the compiler does not look into (``adam(opaque=True)``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fasttorch import _compat
+from fasttorch.optim import _fused
+from fasttorch.optim._base import computed_once, in_cpu_graph
+
+__all__ = ["bias_corrections", "foreach", "fused", "graph_update"]
+
+_foreach_mul = torch._foreach_mul
+
+
+def fused(
+    kernel: Callable[..., Any],
+    lists: Sequence[list[Tensor]],
+    lr: Tensor,
+    count: Tensor,
+    h: dict[str, Tensor],
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> None:
+    """torch's fused Adam(W) ``kernel`` over ``lists`` (params, grads, m, v), one
+    launch a dtype.
+
+    ``count`` is already the new count; the kernel reads the step as float32, as
+    ``torch.optim``'s per-parameter ``state["step"]`` (the same tensor for all).
+    """
+    steps = count.to(torch.float32)
+    lr = lr.to(torch.float32)
+    hyper = {k: _fused.host_float(h[k]) for k in ("beta1", "beta2", "weight_decay", "eps")}
+    for p, g, m, v in _fused.by_dtype(lists):
+        kernel(
+            p,
+            g,
+            m,
+            v,
+            [],
+            [steps] * len(p),
+            lr=lr,
+            **hyper,
+            amsgrad=False,
+            maximize=False,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )
+
+
+def foreach(
+    p: list[Tensor],
+    g: list[Tensor],
+    m: list[Tensor],
+    v: list[Tensor],
+    lr: Tensor,
+    count: Tensor,
+    h: dict[str, Tensor],
+    *,
+    decoupled: bool,
+    inplace: bool,
+) -> None:
+    """Adam's update (AdamW's with ``decoupled``) as ``_foreach_*`` calls, in place on
+    ``p``, ``m``, ``v`` (``g`` is spent).
+
+    The calls of ``torch.optim.Adam(foreach=True, capturable=True)``
+    (``_multi_tensor_adam``), in its order and with its operands, so the same bits
+    (:func:`~fasttorch.optim.adam`). Eager, every call takes CUDA's multi-tensor path:
+    0-d factors in the lists' dtype (float32: the cast from float64 is the one the op
+    itself would make, so the same bits), the lerp weight, weight decay and eps as
+    Python floats (read once per change, :func:`_fused.host_float`; the same values and
+    kernels' results as the tensors), lists of the same shapes. In a graph the
+    compiler fuses them and the 0-d factors stay tensors (a float would be a
+    constant).
+    """
+    beta1, beta2, eps, wd = h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
+    graph = torch.compiler.is_compiling()
+    # Under torch.func.vmap (a population) a hyperparameter holds one value per
+    # member: no host reads, and tensor scalars in lists, as in a graph.
+    batched = _compat.in_functorch_transform()
+    host = not (graph or batched)
+    dtype = p[0].dtype
+
+    def factor(x: Tensor) -> Tensor:
+        return x if graph else x.to(_fused.factor_dtype(dtype))
+
+    step_size, bias_correction2_sqrt = bias_corrections(lr, count, beta1, beta2)
+    if decoupled:
+        torch._foreach_mul_(p, factor(1 - lr.to(torch.float32) * wd))
+    elif host:
+        # torch's add(p, alpha=weight_decay): one rounding (a fused multiply-add)
+        alpha = _fused.host_float(wd)
+        if inplace:
+            torch._foreach_add_(g, p, alpha=alpha)
+        else:
+            g = list(torch._foreach_add(g, p, alpha=alpha))
+    else:
+        # addcmul with a 0-d factor rounds as add(..., alpha=) does (one rounding).
+        g = list(torch._foreach_addcmul(g, p, [wd] * len(p)))
+    # torch's exp_avg.lerp_(grad, 1 - beta1), with the weight in each parameter's
+    # dtype (as a 0-d tensor in a graph: a tensor scalar would be read to the host).
+    if in_cpu_graph(m):
+        w = 1 - beta1
+        m[:] = [mi.lerp_(gi, w.to(mi.dtype)) for mi, gi in zip(m, g)]
+    elif graph or len({t.dtype for t in m}) > 1 or batched:
+        torch._foreach_lerp_(m, g, _per_dtype(1 - beta1, m))
+    else:
+        torch._foreach_lerp_(m, g, _host_weight(_fused.host_float(beta1), dtype))
+    torch._foreach_mul_(v, factor(beta2))
+    scaled = torch._foreach_mul(g, factor(1 - beta2))
+    torch._foreach_addcmul_(v, scaled, g)
+    del scaled
+    if inplace:
+        # Eager: the denominator is built in g, which is spent (a copy is exact).
+        torch._foreach_copy_(g, v)
+        torch._foreach_sqrt_(g)
+        denom = g
+    else:
+        denom = list(torch._foreach_sqrt(v))
+    torch._foreach_div_(denom, factor(bias_correction2_sqrt))
+    if host:
+        # A Python float, read once per change (_fused.host_float): CPU's kernel
+        # reads a 0-d tensor operand to the host on every call.
+        torch._foreach_add_(denom, _fused.host_float(eps))
+    else:
+        # A list: dynamo reads a bare 0-d tensor operand of _foreach_add_ to the host.
+        torch._foreach_add_(denom, [eps] * len(denom))
+    # denom / step_size = -(sqrt(v_hat) + eps) / lr_t, so that p + m / denom is the
+    # step; at lr 0 it is -inf (eps > 0), and m / -inf a zero step, never 0/0.
+    torch._foreach_div_(denom, factor(step_size))
+    torch._foreach_addcdiv_(p, m, denom)
+
+
+def graph_update(
+    p: list[Tensor],
+    g: list[Tensor],
+    m: list[Tensor],
+    v: list[Tensor],
+    lr: Tensor,
+    count: Tensor,
+    h: dict[str, Tensor],
+    *,
+    decoupled: bool,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """Adam's update (AdamW's with ``decoupled``) for a CPU graph: new ``p``, ``m``,
+    ``v``, out of place.
+
+    The same operations on the same values as :func:`foreach` (the tests hold the two
+    to the same bits), with the 0-d factors computed once (:func:`computed_once`)
+    instead of inlined into every parameter's expression. Each operation is one
+    ``_foreach`` call over all tensors, which inductor lowers to the per-tensor
+    expressions a loop would give: dynamo's tracing time grows with the calls it
+    traces, so a loop over tensors costs it one call per tensor and operation
+    (docs/design.md, "Compile time"). Only ``lerp`` is per tensor: inductor has no CPU
+    lowering for ``_foreach_lerp`` with a tensor weight.
+    """
+    beta1, beta2, eps, wd = h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
+    step_size, bias_correction2_sqrt = bias_corrections(lr, count, beta1, beta2)
+    decay = 1 - lr.to(torch.float32) * wd if decoupled else wd
+    decay, w, beta2, rest2, step_size, bias_correction2_sqrt, eps = computed_once(
+        decay, 1 - beta1, beta2, 1 - beta2, step_size, bias_correction2_sqrt, eps
+    )
+    if decoupled:
+        p = list(_foreach_mul(p, decay))
+    else:
+        g = list(torch._foreach_addcmul(g, p, [decay] * len(p)))
+    m = [mi.lerp(gi, wi) for mi, gi, wi in zip(m, g, _per_dtype(w, m))]
+    v = list(torch._foreach_addcmul(_foreach_mul(v, beta2), _foreach_mul(g, rest2), g))
+    denom = torch._foreach_div(torch._foreach_sqrt(v), bias_correction2_sqrt)
+    # A list: dynamo reads a bare 0-d tensor operand of _foreach_add to the host.
+    denom = torch._foreach_add(denom, [eps] * len(denom))
+    denom = torch._foreach_div(denom, step_size)
+    return list(torch._foreach_addcdiv(p, m, denom)), m, v
+
+
+def bias_corrections(
+    lr: Tensor, count: Tensor, beta1: Tensor, beta2: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``(-lr / (1 - beta1**t), sqrt(1 - beta2**t))`` at ``t = count`` (the new count),
+    as ``torch.optim.Adam(capturable=True)`` computes them: in float32 (its step count
+    is a float32 tensor, its lr a float32 tensor), the first as
+    ``1 / ((beta1**t - 1) / lr)``, in that order of roundings.
+
+    Example:
+        >>> one = torch.tensor(1.0)
+        >>> bias_corrections(one, torch.tensor(1), torch.tensor(0.5), torch.tensor(0.75))
+        (tensor(-2.), tensor(0.5000))
+    """
+    t = count.to(torch.float32)
+    step_size = beta1.pow(t).sub(1).div(lr.to(torch.float32)).reciprocal()
+    bias_correction2_sqrt = beta2.pow(t).sub(1).neg().sqrt()
+    return step_size, bias_correction2_sqrt
+
+
+def _adam_impl(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    lr: Tensor,
+    count: Tensor,
+    beta1: Tensor,
+    beta2: Tensor,
+    eps: Tensor,
+    weight_decay: Tensor,
+    decoupled: bool,
+) -> None:
+    """:func:`foreach` in place: what a donated eager step runs, so the same bits."""
+    h = {"beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
+    with torch.no_grad():
+        foreach(
+            params, grads, exp_avgs, exp_avg_sqs, lr, count, h, decoupled=decoupled, inplace=True
+        )
+
+
+# Adam's update as one operator the compiler does not look into (``Adam.opaque``):
+# inside a donated step inductor calls it on the state's own tensors, and generates
+# no code per parameter tensor. torch.library.custom_op is public API. Registered
+# once, when this module is first imported (fasttorch.optim.adam imports it).
+_adam_op = torch.library.custom_op(
+    "fasttorch::adam_", _adam_impl, mutates_args=("params", "grads", "exp_avgs", "exp_avg_sqs")
+)
+
+
+@_adam_op.register_fake
+def _adam_fake(*args: Any) -> None:
+    """Nothing to compute: the operator writes into its arguments and returns nothing."""
+
+
+@functools.lru_cache(maxsize=64)
+def _host_weight(beta1: float, dtype: torch.dtype) -> float:
+    """``1 - beta1`` as the float32 tensors compute it, then rounded to ``dtype``.
+
+    Cached: the rounding goes through a CPU tensor, which a step should not read
+    again for a value it has seen.
+    """
+    return float(torch.tensor(1 - beta1, dtype=torch.float32).to(dtype))
+
+
+def _per_dtype(x: Tensor, like: list[Tensor]) -> list[Tensor]:
+    """``x`` cast to each tensor's dtype, once per dtype."""
+    cast: dict[torch.dtype, Tensor] = {}
+    for t in like:
+        if t.dtype not in cast:  # a comprehension would cast (and trace) once per tensor
+            cast[t.dtype] = x.to(t.dtype)
+    return [cast[t.dtype] for t in like]
