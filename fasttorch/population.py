@@ -393,20 +393,3 @@ def member_state_dict(state: TrainState, i: int | torch.Tensor) -> dict[str, tor
         <All keys matched successfully>
     """
     return member(state, i).state_dict()
-
-
-def is_population(state: TrainState) -> bool:
-    """Whether a sub-state says every leaf, ``rng`` included, is stacked by member."""
-    return any(getattr(s, "stacks_members", False) for s in state.substates.values())
-
-
-def refuse_population(name: str, transforms: tuple[str, ...], state: TrainState) -> None:
-    """Raise if step ``name``, which trains one model, is given a population."""
-    if is_population(state) and "vmapped" not in transforms:
-        n = state.step.shape[0] if state.step.dim() else "n"
-        raise ValueError(
-            f"step {name!r} trains one model, but the state is a population of {n} "
-            f"members (every tensor stacked along a leading dimension of {n}). Wrap the "
-            f"step: fasttorch.vmapped(step, {n}) trains every member in one call; or train "
-            "one member alone: fasttorch.member(population, i)"
-        )

@@ -53,7 +53,6 @@ from fasttorch.phases import (
     scale_grads,
     update_phase,
 )
-from fasttorch.population import is_population, refuse_population
 from fasttorch.state import (
     AFTER_FAILURE,
     TrainState,
@@ -63,7 +62,7 @@ from fasttorch.state import (
     mark_failed,
     mark_template_ok,
 )
-from fasttorch.substates import SubState, merge
+from fasttorch.substates import SubState, any_declares, merge
 from fasttorch.window import Window, apply_update, eager, kernel, memo
 from fasttorch.window import run as run_window
 
@@ -394,8 +393,21 @@ def _device_lock(device: torch.device) -> threading.RLock:
     return lock
 
 
+def _refuse_population(name: str, transforms: tuple[str, ...], state: TrainState) -> None:
+    """Raise if step ``name``, which trains one model, is given a population: a state
+    whose sub-states declare ``stacks_members`` (every leaf stacked by member)."""
+    if any_declares(state.substates, "stacks_members") and "vmapped" not in transforms:
+        n = state.step.shape[0] if state.step.dim() else "n"
+        raise ValueError(
+            f"step {name!r} trains one model, but the state is a population of {n} "
+            f"members (every tensor stacked along a leading dimension of {n}). Wrap the "
+            f"step: fasttorch.vmapped(step, {n}) trains every member in one call; or train "
+            "one member alone: fasttorch.member(population, i)"
+        )
+
+
 def _run_locked(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
-    refuse_population(step.name, step.transforms, state)
+    _refuse_population(step.name, step.transforms, state)
     for hook in step.hooks:
         hook.before(step, state)
     device = state.device
@@ -410,10 +422,11 @@ def _run_locked(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState
         # BatchNorm updates running stats in place: work on copies to leave inputs intact.
         state = state.replace(buffers={k: b.clone() for k, b in state.buffers.items()})
     progress = _scope.Progress()
+    population = any_declares(state.substates, "stacks_members")
     try:
         with (
             _scope.scope(in_place=step.donate, progress=progress),
-            scoped_rng(state.rng, device, install=not is_population(state)) as rng_now,
+            scoped_rng(state.rng, device, install=not population) as rng_now,
         ):
             new, metrics = step.runner(step, state, batch)
             rng = rng_now()
