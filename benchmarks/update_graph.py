@@ -58,21 +58,21 @@ _OPS: dict[str, Any] = {}
 
 
 def _adamw(p, g, m, v, lr, beta1, beta2, eps, wd, t):  # type: ignore[no-untyped-def]
-    """AdamW over lists of tensors, as fasttorch's CPU update graph writes it."""
-    torch._foreach_mul_(p, 1 - lr * wd)
-    for mi, gi in zip(m, g):
-        mi.lerp_(gi, 1 - beta1)
+    """AdamW over lists of tensors, as fasttorch's CPU update graph writes it: the calls
+    of ``torch.optim.AdamW(foreach=True, capturable=True)``, in its order."""
+    t = t.to(torch.float32)
+    step_size = beta1.pow(t).sub(1).div(lr.to(torch.float32)).reciprocal()
+    bias_correction2_sqrt = beta2.pow(t).sub(1).neg().sqrt()
+    torch._foreach_mul_(p, 1 - lr.to(torch.float32) * wd)
+    torch._foreach_lerp_(m, g, [1 - beta1] * len(m))
     torch._foreach_mul_(v, beta2)
-    gg = torch._foreach_mul(g, g)
-    torch._foreach_mul_(gg, 1 - beta2)
-    torch._foreach_add_(v, gg)
-    step_size = lr / (1 - beta1**t)
+    scaled = torch._foreach_mul(g, 1 - beta2)
+    torch._foreach_addcmul_(v, scaled, g)
     denom = list(torch._foreach_sqrt(v))
-    torch._foreach_div_(denom, (1 - beta2**t).sqrt())
+    torch._foreach_div_(denom, bias_correction2_sqrt)
     torch._foreach_add_(denom, [eps] * len(denom))
-    u = torch._foreach_div(m, denom)
-    torch._foreach_mul_(u, step_size)
-    torch._foreach_sub_(p, u)
+    torch._foreach_div_(denom, step_size)
+    torch._foreach_addcdiv_(p, m, denom)
 
 
 def _adamw_op() -> Any:
