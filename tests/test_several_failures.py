@@ -153,3 +153,23 @@ def test_the_note_names_the_batchnorm_statistics_a_forward_updated_before_the_er
     notes = "".join(info.value.__notes__)
     assert "is still usable" in notes and "BatchNorm running statistics" in notes
     assert int(state["d"].step) == 0  # usable
+
+
+def test_a_shared_loss_scale_refused_after_the_updates_kills_the_donated_state() -> None:
+    """The members updated in place, then the shared scale is refused (one member is
+    inside its accumulation window): the state holds this call's updates, so it is dead."""
+
+    def member(loss_fn: Any, n: int) -> fasttorch.Step:
+        s = fasttorch.with_amp(fasttorch.model_step(loss_fn), "fp16")
+        return fasttorch.grad_accumulate(s, n, across_calls=True)
+
+    d, g = gan_models()
+    step = fasttorch.several(
+        {"d": member(d_loss, 1), "g": member(g_loss, 2)}, share_loss_scale=True
+    )
+    state = gan_state(d, g)
+    with pytest.raises(ValueError, match="same grad_accumulate n") as info:
+        step(state, gan_calls(1)[0])
+    assert "donated and is now unusable" in "".join(info.value.__notes__)
+    with pytest.raises(DonatedStateError, match=r"failed part-way \(ValueError"):
+        _ = state.members
