@@ -15,11 +15,29 @@ from torch.func import functional_call
 
 from fasttorch import struct
 from fasttorch.phases import Tensors
-from fasttorch.state import DonatedStateError, TrainState, check_alive, evaluating, mark_donated
+from fasttorch.state import (
+    DonatedStateError,
+    TrainState,
+    check_alive,
+    evaluating,
+    failure_summary,
+    mark_donated,
+    mark_failed,
+)
 
 __all__ = ["Frozen", "Member", "Models", "consume"]
 
 _DEAD = "_fasttorch_models_donated"
+_FAILED = "_fasttorch_models_failed"
+
+# What to do once a donating several-model call failed after a member's step wrote.
+AFTER_FAILURE = (
+    "continue from the last Models state a call returned successfully, or from a "
+    "checkpoint; if no call has returned yet, create the models and their state again (a "
+    "donated state shares the models' tensors, which may hold part of the results). Build "
+    "the members' steps with donate=False (model_step(loss_fn, donate=False)) to keep "
+    "input states intact when a call fails"
+)
 
 
 class Frozen(struct.Record):
@@ -242,7 +260,15 @@ class Models(struct.Record):
 
     def __getattr__(self, name: str) -> NoReturn:
         # Only reached when normal lookup fails: the fields of a donated state are gone.
-        if not name.startswith("__") and _DEAD in object.__getattribute__(self, "__dict__"):
+        d = object.__getattribute__(self, "__dict__")
+        if not name.startswith("__") and _FAILED in d:
+            raise DonatedStateError(
+                f"this Models state was donated to {d[_DEAD]}, which failed part-way "
+                f"({d[_FAILED]}) after a member's step had updated its tensors in place, "
+                f"or may have: the state is no longer consistent and cannot be used: "
+                f"{AFTER_FAILURE}"
+            )
+        if not name.startswith("__") and _DEAD in d:
             raise DonatedStateError(
                 f"this Models state was donated to {self.__dict__[_DEAD]}: its members' "
                 "tensors were updated in place and now belong to the state that call "
@@ -277,10 +303,18 @@ def _check_follows(name: str, target: Frozen, members: dict[str, Member]) -> Non
         )
 
 
-def consume(state: Models, consumed: list[TrainState], by: str) -> None:
-    """Mark the donated input and its consumed members dead."""
+def consume(
+    state: Models, consumed: list[TrainState], by: str, error: BaseException | None = None
+) -> None:
+    """Mark the donated input and its consumed members dead (``error``: ``by`` failed
+    part-way with it, after a member's step may have written)."""
     for m in consumed:
-        mark_donated(m, by)
+        if error is None:
+            mark_donated(m, by)
+        else:
+            mark_failed(m, by, error)
     d = object.__getattribute__(state, "__dict__")
     d.clear()
     d[_DEAD] = by
+    if error is not None:
+        d[_FAILED] = failure_summary(error)

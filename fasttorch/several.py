@@ -24,6 +24,7 @@ from typing import Any
 
 import attrs
 
+from fasttorch import _scope
 from fasttorch._model_step import model_step
 from fasttorch._peers import (
     KEY,
@@ -43,7 +44,7 @@ from fasttorch._shared_forward import (
 )
 from fasttorch._shared_scale import SharedScale
 from fasttorch.evaluation import eval_step as _eval_step
-from fasttorch.models import Frozen, Member, Models, consume
+from fasttorch.models import AFTER_FAILURE, Frozen, Member, Models, consume
 from fasttorch.phases import Batch, Metrics, Tensors
 from fasttorch.state import (
     TrainState,
@@ -387,6 +388,7 @@ def _run(step: Several, state: Models, batch: Batch) -> tuple[Models, Metrics]:
     consumed: list[TrainState] = []
     scale = SharedScale() if step.share_loss_scale else None
     pending = Pending()
+    progress = _scope.Progress()  # whether a member's step may have written yet
     try:
         outputs = (
             run_forwards(
@@ -416,24 +418,59 @@ def _run(step: Several, state: Models, batch: Batch) -> tuple[Models, Metrics]:
                 own = scale.give(step.name, name, own)
             warn_captured(s, name, members)
             mine = tuple(n for n, f in step.outputs if f.owner == name)
-            new, metrics[name] = _run_member(s, name, own, members, batch, outputs, mine)
+            with _scope.scope(progress=progress):
+                new, metrics[name] = _run_member(s, name, own, members, batch, outputs, mine)
+            progress.began = True  # a donating step's results are in its input's tensors
             members[name] = new
             for n, m in members.items():  # target networks that follow this member
                 if isinstance(m, Frozen) and m.follows == name:
                     members[n] = m.followed(new, in_place=step.donate)
             if scale is not None:
                 scale.took(name, new, metrics[name])
-    except BaseException:
-        if step.donate and consumed:  # the members stepped so far were updated in place
-            consume(state, consumed, f"{step.name}, which failed part-way")
+        if scale is not None:
+            members = scale.combine(step.name, members)
+    except BaseException as e:
+        if step.donate and progress.began:
+            # A member's step may have written into the members' tensors (an earlier
+            # member's update, a compiled kernel that ran): no longer a consistent state.
+            consume(state, consumed, step.name, error=e)
+            e.add_note(_dead_note(step))
+        elif step.donate:  # raised before any member's step wrote: nothing consumed
+            e.add_note(_intact_note(step, state))
         raise
     finally:
         pending.__exit__()
-    if scale is not None:
-        members = scale.combine(step.name, members)
     if step.donate:
         consume(state, consumed, step.name)
     return Models(members=members), metrics
+
+
+def _dead_note(step: Several) -> str:
+    """The note on an error raised after a member's step may have written its state."""
+    return (
+        f"fasttorch: the Models state passed to {step.name} was donated and is now "
+        "unusable (DonatedStateError): a member's step had updated its tensors in place, "
+        f"or may have, before the error: {AFTER_FAILURE}"
+    )
+
+
+def _intact_note(step: Several, state: Models) -> str:
+    """The note on an error raised before any member's step wrote into the state."""
+    note = (
+        f"fasttorch: the Models state passed to {step.name} is still usable: the call "
+        "failed before any member's step wrote into it"
+    )
+    members = state.members
+    eager = bool(step.outputs) or any(s.is_eager for _, s in step.steps)
+    if not (eager and any(isinstance(m, TrainState) and m.buffers for m in members.values())):
+        return note
+    # Not told apart by version counters: BatchNorm's kernels write its running
+    # statistics without bumping them.
+    return (
+        f"{note}, except that the forwards may have updated buffers in place before the "
+        "error (BatchNorm running statistics), as model(x) does in a plain loop. Build the "
+        "members' steps with donate=False to keep them too"
+    )
 
 
 def _run_member(

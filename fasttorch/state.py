@@ -365,10 +365,15 @@ AFTER_FAILURE = (
 def mark_failed(state: TrainState, by: str, error: BaseException) -> None:
     """Mark ``state`` dead after a donating call ``by`` raised ``error`` part-way."""
     mark_donated(state, by)
+    object.__getattribute__(state, "__dict__")[_FAILED] = failure_summary(error)
+
+
+def failure_summary(error: BaseException) -> str:
+    """``error``'s type and the first line of its message (cut to 200 characters)."""
     first = (str(error).strip().splitlines() or [""])[0]
     if len(first) > 200:
         first = first[:197] + "..."
-    object.__getattribute__(state, "__dict__")[_FAILED] = f"{type(error).__name__}: {first}"
+    return f"{type(error).__name__}: {first}"
 
 
 def mark_donated(state: TrainState, by: str) -> None:

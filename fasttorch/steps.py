@@ -423,6 +423,9 @@ def _run_locked(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState
         state = state.replace(buffers={k: b.clone() for k, b in state.buffers.items()})
     progress = _scope.Progress()
     population = any_declares(state.substates, "stacks_members")
+    # A step run by another driver (a member's step in fasttorch.several) reports to it
+    # whether it may have written; that driver marks and notes the state it was given.
+    outer = _scope.current().progress
     try:
         with (
             _scope.scope(in_place=step.donate, progress=progress),
@@ -435,6 +438,8 @@ def _run_locked(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState
             elif step.donate and rng.shape == state.rng.shape:
                 rng = state.rng.copy_(rng)  # the state's own tensor takes the advanced state
     except BaseException as e:
+        if outer is not None and progress.began:
+            outer.began = True
         if step.donate and progress.began:
             # Part of the results may already be in the input state's tensors (a
             # compiled kernel writes a counter before the one that fails, an eager
@@ -442,11 +447,12 @@ def _run_locked(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState
             mark_failed(given, f"step {step.name!r}", e)
             if state is not given:
                 mark_failed(state, f"step {step.name!r}", e)
-            e.add_note(
-                f"fasttorch: the state passed to step {step.name!r} was donated and is now "
-                f"unusable (DonatedStateError): {AFTER_FAILURE}"
-            )
-        elif step.donate:
+            if outer is None:
+                e.add_note(
+                    f"fasttorch: the state passed to step {step.name!r} was donated and is "
+                    f"now unusable (DonatedStateError): {AFTER_FAILURE}"
+                )
+        elif step.donate and outer is None:
             e.add_note(_intact_note(step, state))
         clear = unreached_error(e)
         if clear is not None:  # raised while tracing a graph: the error as eager raises it
