@@ -49,7 +49,7 @@ import tolerance
 import torch
 from test_ema import TorchvisionEMA
 from test_optim_groups import torchvision_set_weight_decay
-from tolerance import EXACT, FACTOR, LoopError, loss_atol, params_atol
+from tolerance import EXACT, FACTOR, LoopError, grad_norm_rtol, loss_atol, params_atol
 from torch import nn
 
 import fasttorch
@@ -154,7 +154,7 @@ def torchvision_run(
             # scaler is None: torchvision's branch without GradScaler (bf16 needs none)
             loss.backward()
             if CLIP_GRAD_NORM is not None:
-                nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD_NORM)
+                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD_NORM)
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
 
@@ -169,6 +169,7 @@ def torchvision_run(
                     "ema": _snapshot(model_ema.module),
                     "lr": lr,
                     "loss": float(loss.detach()),
+                    "grad_norm": float(grad_norm),
                 }
             )
         lr_scheduler.step()
@@ -226,6 +227,7 @@ def fasttorch_run(model: nn.Module, data: list[Any], precision: str, how: str) -
                 "ema": {**floating(sub.params), **floating(sub.buffers)},
                 "lr": metrics["lr"].clone(),
                 "loss": metrics["loss"].clone(),
+                "grad_norm": metrics["grad_norm"].clone(),
                 "ema_count": int(sub.count),
             }
         )
@@ -269,6 +271,7 @@ def _bounds(model: nn.Module, data: list[Any]) -> dict[str, Any]:
             "ema_params": _max_err(a["ema"], b["ema"], params),
             "ema_buffers": _max_err(a["ema"], b["ema"], buffers),
             "loss": abs(a["loss"] - b["loss"]),
+            "grad_norm": abs(a["grad_norm"] - b["grad_norm"]) / b["grad_norm"],
         }
         for a, b in zip(log32, log64)
     ]
@@ -354,14 +357,22 @@ def test_torchvision_recipe_step_by_step(
                 torch.testing.assert_close(
                     e[part][k], r[part][k], rtol=0, atol=atol, msg=f"{where} {part} {k}"
                 )
-        loss_err = LoopError(
-            params={}, buffers={}, loss=max(x["loss"] for x in b["errors"][: t + 1]), grad_norm=0
+        loop_err = LoopError(
+            params={},
+            buffers={},
+            loss=max(x["loss"] for x in b["errors"][: t + 1]),
+            grad_norm=max(x["grad_norm"] for x in b["errors"][: t + 1]),
         )
-        l_atol = loss_atol(loss_err, torch.tensor([r["loss"]]), precision)
+        l_atol = loss_atol(loop_err, torch.tensor([r["loss"]]), precision)
         assert abs(float(e["loss"]) - r["loss"]) <= l_atol, (where, float(e["loss"]), r["loss"])
+        # The gradient norm before clipping, relative (rule 2 + rule 4's u).
+        n_rtol = grad_norm_rtol(loop_err, precision)
+        n_diff = abs(float(e["grad_norm"]) - r["grad_norm"])
+        assert n_diff <= n_rtol * r["grad_norm"], (where, float(e["grad_norm"]), r["grad_norm"])
 
-        # During the warm-up epochs the average is a copy of the model after each update.
-        if t < LR_WARMUP_EPOCHS * STEPS_PER_EPOCH and t % MODEL_EMA_STEPS == 0:
+        # During the warm-up epochs the average is a copy of the model after each update,
+        # and so is the first update after them (n_averaged was reset to 0 just before).
+        if t <= LR_WARMUP_EPOCHS * STEPS_PER_EPOCH and t % MODEL_EMA_STEPS == 0:
             assert e["ema_count"] <= copies
             for k, v in e["model"].items():
                 torch.testing.assert_close(e["ema"][k], v, **EXACT, msg=f"{where} copy {k}")
@@ -372,3 +383,6 @@ def test_torchvision_recipe_step_by_step(
     lag = max(float((last["ema"][k] - last["model"][k]).abs().max()) for k in params)
     assert lag > FACTOR * p_atol
     assert {round(x["lr"], 6) for x in ref} == {LR * LR_WARMUP_DECAY, LR, LR / 2}
+    # Clipping acted on some steps and not on others.
+    norms = [x["grad_norm"] for x in ref]
+    assert min(norms) < CLIP_GRAD_NORM < max(norms), norms
