@@ -5,8 +5,9 @@ The plain loop is torchvision's ``references/classification/train.py``
 ``utils.py``'s ``set_weight_decay`` and ``ExponentialMovingAverage``, pytorch/vision at
 commit d3beb52a00e16c71e821e192bcc592d614a490c0 (BSD-3-Clause), written as it is there
 with the data loader, metric logger and evaluation left out, and the autocast made the
-CPU's bf16 (torchvision's ``torch.cuda.amp.autocast(enabled=scaler is not None)``; its
-GradScaler is for fp16 only, so the bf16 run takes its ``scaler is None`` branch):
+CPU's (torchvision's ``torch.cuda.amp.autocast(enabled=scaler is not None)``): in bf16
+without a GradScaler (its ``scaler is None`` branch), in fp16 with one (its other branch,
+``scaler.unscale_`` before ``clip_grad_norm_``, ``torch.amp.GradScaler("cpu")``):
 a CNN with BatchNorm, ``CrossEntropyLoss(label_smoothing=0.1)``, SGD with momentum
 over ``set_weight_decay(model, wd, norm_weight_decay=0.0)``, per-epoch LinearLR warm-up
 then CosineAnnealingLR through SequentialLR, ``clip_grad_norm_``, and the EMA
@@ -31,8 +32,8 @@ Tolerances (tests/README.md):
   ``d * a + (1 - d) * m`` where fasttorch's is a lerp. The bound is ``FACTOR`` times the
   plain loop's own float32 error against the same loop run in float64, measured here on
   parameters, BatchNorm buffers, the averages and the losses.
-* bf16: rule 4 added: both sides run the same autocast forward, so a difference is a
-  rule 2 difference that flips one bf16 rounding, which moves a step's update by ``u``
+* bf16, fp16: rule 4 added: both sides run the same autocast forward, so a difference is a
+  rule 2 difference that flips one half-precision rounding, which moves a step's update by ``u``
   of itself. For SGD the update is not bounded by ``lr`` (tolerance.py's Adam case): the
   largest update the float32 plain loop made to any entry in one step stands in its
   place, per step (the parameters' and, for the running statistics, the buffers').
@@ -41,6 +42,7 @@ Tolerances (tests/README.md):
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from typing import Any
 
@@ -135,10 +137,14 @@ def torchvision_run(
         optimizer, start_factor=LR_WARMUP_DECAY, total_iters=LR_WARMUP_EPOCHS
     )
     lr_scheduler = torch.optim.lr_scheduler.SequentialLR(
-        optimizer, schedulers=[warmup_lr_scheduler, main_lr_scheduler], milestones=[LR_WARMUP_EPOCHS]
+        optimizer,
+        schedulers=[warmup_lr_scheduler, main_lr_scheduler],
+        milestones=[LR_WARMUP_EPOCHS],
     )
     model_ema = TorchvisionEMA(model, decay=_ema_decay())
-    amp = precision == "bf16"
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    # torch.cuda.amp.GradScaler() if args.amp, here for fp16 only, on the CPU
+    scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
     log = []
     batches = iter(data)
     for epoch in range(EPOCHS):
@@ -146,17 +152,26 @@ def torchvision_run(
         for i in range(STEPS_PER_EPOCH):
             image, target = next(batches)
             image = image.to(dtype)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            with torch.autocast("cpu", dtype=half or torch.bfloat16, enabled=half is not None):
                 output = model(image)
                 loss = criterion(output, target)
 
             optimizer.zero_grad()
-            # scaler is None: torchvision's branch without GradScaler (bf16 needs none)
-            loss.backward()
-            if CLIP_GRAD_NORM is not None:
-                grad_norm = nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD_NORM)
             lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                if CLIP_GRAD_NORM is not None:
+                    # we should unscale the gradients of optimizer's assigned params if do
+                    # gradient clipping
+                    scaler.unscale_(optimizer)
+                    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD_NORM)
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                if CLIP_GRAD_NORM is not None:
+                    grad_norm = nn.utils.clip_grad_norm_(model.parameters(), CLIP_GRAD_NORM)
+                optimizer.step()
 
             if model_ema and i % MODEL_EMA_STEPS == 0:
                 model_ema.update_parameters(model)
@@ -170,6 +185,7 @@ def torchvision_run(
                     "lr": lr,
                     "loss": float(loss.detach()),
                     "grad_norm": float(grad_norm),
+                    "scale": scaler.get_scale() if scaler is not None else None,
                 }
             )
         lr_scheduler.step()
@@ -186,8 +202,8 @@ def _loss(apply: Any, batch: Any) -> torch.Tensor:
 
 def _fasttorch_step(precision: str) -> Any:
     step = fasttorch.step(_loss)
-    if precision == "bf16":
-        step = fasttorch.with_amp(step, "bf16")
+    if precision in ("bf16", "fp16"):
+        step = fasttorch.with_amp(step, precision)
     step = fasttorch.clip_scaled(step, CLIP_GRAD_NORM)
     copies = LR_WARMUP_EPOCHS * math.ceil(STEPS_PER_EPOCH / MODEL_EMA_STEPS) + 1
     return fasttorch.ema(step, _ema_decay(), every=MODEL_EMA_STEPS, copy_first=copies)
@@ -228,6 +244,7 @@ def fasttorch_run(model: nn.Module, data: list[Any], precision: str, how: str) -
                 "lr": metrics["lr"].clone(),
                 "loss": metrics["loss"].clone(),
                 "grad_norm": metrics["grad_norm"].clone(),
+                "skipped": bool(metrics["skipped"]) if "skipped" in metrics else None,
                 "ema_count": int(sub.count),
             }
         )
@@ -245,12 +262,14 @@ def _max_err(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], keys: Any) 
     return {k: float((a[k].double() - b[k].double()).abs().max()) for k in keys}
 
 
-def _largest_move(log: list[dict], keys: list[str]) -> float:
+def _largest_move(start: dict[str, torch.Tensor], log: list[dict], keys: list[str]) -> float:
     """The largest change of any entry of ``keys`` in one step of the plain loop."""
-    moves = [0.0]
-    for before, after in zip(log, log[1:]):
-        moves += [float((after["model"][k] - before["model"][k]).abs().max()) for k in keys]
-    return max(moves)
+    states = [start, *(x["model"] for x in log)]
+    return max(
+        float((after[k] - before[k]).abs().max())
+        for before, after in itertools.pairwise(states)
+        for k in keys
+    )
 
 
 _BOUNDS: dict[str, Any] = {}
@@ -280,8 +299,8 @@ def _bounds(model: nn.Module, data: list[Any]) -> dict[str, Any]:
         params=params,
         buffers=buffers,
         errors=errors,
-        param_move=_largest_move(log32, params),
-        buffer_move=_largest_move(log32, buffers),
+        param_move=_largest_move(_snapshot(model), log32, params),
+        buffer_move=_largest_move(_snapshot(model), log32, buffers),
     )
     return _BOUNDS
 
@@ -294,7 +313,7 @@ def model_and_data() -> tuple[nn.Module, list[Any]]:
     return _model(), _data()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_torchvision_recipe_step_by_step(
     model_and_data: tuple[nn.Module, list[Any]], precision: str
 ) -> None:
@@ -383,6 +402,12 @@ def test_torchvision_recipe_step_by_step(
     lag = max(float((last["ema"][k] - last["model"][k]).abs().max()) for k in params)
     assert lag > FACTOR * p_atol
     assert {round(x["lr"], 6) for x in ref} == {LR * LR_WARMUP_DECAY, LR, LR / 2}
+    if precision == "fp16":
+        # No step overflowed: GradScaler kept its initial scale and fasttorch skipped none.
+        # (On a skipped step torchvision's loop still updates the average, from the
+        # unchanged model; fasttorch.ema does not advance: not exercised here.)
+        assert {x["scale"] for x in ref} == {2.0**16}
+        assert not any(x["skipped"] for x in eager)
     # Clipping acted on some steps and not on others.
     norms = [x["grad_norm"] for x in ref]
     assert min(norms) < CLIP_GRAD_NORM < max(norms), norms
