@@ -336,6 +336,12 @@ def test_torchvision_recipe_step_by_step(
         torch.testing.assert_close(c["loss"], e["loss"], **EXACT)
         assert c["ema_count"] == e["ema_count"] == t // MODEL_EMA_STEPS + 1
 
+        if t == 0:
+            # Rule 1: the first forward runs the same kernels on the same parameters and
+            # batch: the same loss and the same running statistics.
+            assert float(e["loss"]) == r["loss"], (where, float(e["loss"]), r["loss"])
+            for k in buffers:
+                torch.testing.assert_close(e["model"][k], r["model"][k], **EXACT, msg=k)
         # The lr: torch's float64 scheduler against the float32 the state holds: one
         # float32 rounding.
         assert abs(float(e["lr"]) - r["lr"]) <= u32 * r["lr"], (where, float(e["lr"]), r["lr"])
