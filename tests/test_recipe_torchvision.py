@@ -1,10 +1,18 @@
 """torchvision's classification recipe, ported at tiny size, against fasttorch's parts.
 
-The plain loop is torchvision's ``references/classification/train.py``
-(``train_one_epoch`` and the optimizer, scheduler and EMA set-up of ``main``) with
-``utils.py``'s ``set_weight_decay`` and ``ExponentialMovingAverage``, pytorch/vision at
-commit d3beb52a00e16c71e821e192bcc592d614a490c0 (BSD-3-Clause), written as it is there
-with the data loader, metric logger and evaluation left out, and the autocast made the
+The plain loop is torchvision's ``references/classification`` (pytorch/vision,
+BSD-3-Clause): ``utils.py``'s ``set_weight_decay`` at commit
+d3beb52a00e16c71e821e192bcc592d614a490c0 (ported in test_optim_groups.py) and
+``ExponentialMovingAverage`` (test_ema.py's ``TorchvisionEMA``); ``train.py``'s ``main``
+set-up of the optimizer, the SequentialLR(LinearLR, CosineAnnealingLR) stepped per epoch
+and the EMA's ``adjust``/``alpha`` rule as at commit
+017e9b99b5daddec3d82d5b05fe26f6834c48fa9, with ``set_weight_decay`` in place of that
+commit's ``split_normalization_params``, as later versions have it; and the later
+``train_one_epoch`` (autocast around forward and loss, ``scaler.unscale_`` then
+``clip_grad_norm_`` in the scaler branch, the EMA every ``model_ema_steps`` with
+``n_averaged.fill_(0)`` while ``epoch < lr_warmup_epochs``), which that commit's file
+predates in its amp and clipping order. Written as it is there with the data loader,
+metric logger and evaluation left out, and the autocast made the
 CPU's (torchvision's ``torch.cuda.amp.autocast(enabled=scaler is not None)``): in bf16
 without a GradScaler (its ``scaler is None`` branch), in fp16 with one (its other branch,
 ``scaler.unscale_`` before ``clip_grad_norm_``, ``torch.amp.GradScaler("cpu")``):
