@@ -125,6 +125,11 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
 
 
+def _counts(model: nn.Module) -> dict[str, int]:
+    """BatchNorm's ``num_batches_tracked`` (the integer buffers)."""
+    return {k: int(v) for k, v in model.state_dict().items() if not v.is_floating_point()}
+
+
 def torchvision_run(
     model: nn.Module, data: list[Any], precision: str, dtype: torch.dtype = torch.float32
 ) -> list[dict[str, Any]]:
@@ -190,6 +195,8 @@ def torchvision_run(
                 {
                     "model": _snapshot(model),
                     "ema": _snapshot(model_ema.module),
+                    "counts": _counts(model),
+                    "ema_counts": _counts(model_ema.module),
                     "lr": lr,
                     "loss": float(loss.detach()),
                     "grad_norm": float(grad_norm),
@@ -254,6 +261,12 @@ def fasttorch_run(model: nn.Module, data: list[Any], precision: str, how: str) -
                 "grad_norm": metrics["grad_norm"].clone(),
                 "skipped": bool(metrics["skipped"]) if "skipped" in metrics else None,
                 "ema_count": int(sub.count),
+                "counts": {
+                    k: int(v) for k, v in state.buffers.items() if not v.is_floating_point()
+                },
+                "ema_counts": {
+                    k: int(v) for k, v in sub.buffers.items() if not v.is_floating_point()
+                },
             }
         )
     if how == "compiled":
@@ -350,6 +363,16 @@ def test_torchvision_recipe_step_by_step(
             assert float(e["loss"]) == r["loss"], (where, float(e["loss"]), r["loss"])
             for k in buffers:
                 torch.testing.assert_close(e["model"][k], r["model"][k], **EXACT, msg=k)
+        # Integer buffers: the model's batch counts are the same integers. The average's
+        # differ by design (fasttorch.ema's docstring): torchvision averages
+        # num_batches_tracked as a float and truncates it into the integer buffer,
+        # fasttorch copies the model's count at the average's last update (the two agree
+        # while the average copies). Only BatchNorm(momentum=None) reads it.
+        assert e["counts"] == r["counts"] == dict.fromkeys(r["counts"], t + 1), where
+        last_update = t - t % MODEL_EMA_STEPS + 1
+        assert e["ema_counts"] == dict.fromkeys(r["counts"], last_update), where
+        if e["ema_count"] <= copies:
+            assert r["ema_counts"] == e["ema_counts"], where
         # The lr: torch's float64 scheduler against the float32 the state holds: one
         # float32 rounding.
         assert abs(float(e["lr"]) - r["lr"]) <= u32 * r["lr"], (where, float(e["lr"]), r["lr"])
@@ -422,6 +445,7 @@ def test_torchvision_recipe_step_by_step(
         # unchanged model; fasttorch.ema does not advance: not exercised here.)
         assert {x["scale"] for x in ref} == {2.0**16}
         assert not any(x["skipped"] for x in eager)
+    assert ref[-1]["ema_counts"] != eager[-1]["ema_counts"]  # the truncated average
     # Clipping acted on some steps and not on others.
     norms = [x["grad_norm"] for x in ref]
     assert min(norms) < CLIP_GRAD_NORM < max(norms), norms
