@@ -377,7 +377,7 @@ def test_torchvision_recipe_step_by_step(
         # float32 rounding.
         assert abs(float(e["lr"]) - r["lr"]) <= u32 * r["lr"], (where, float(e["lr"]), r["lr"])
 
-        # Rule 2 (+ rule 4 in bf16) for everything the step changed up to step t.
+        # Rule 2 (+ rule 4 in bf16, fp16) for everything the step changed up to step t.
         err = {
             key: {k: max(x[key][k] for x in b["errors"][: t + 1]) for k in b["errors"][t][key]}
             for key in ("params", "buffers", "ema_params", "ema_buffers")
