@@ -168,3 +168,16 @@ def _draw_per_member(
 
 
 draw_.register_vmap(_draw_per_member)
+
+
+def default_seed() -> int:
+    """The seed of a state's generator when none is given: from ``torch.initial_seed()``.
+
+    The seed of torch's global generator (that of the last ``torch.manual_seed``), so a
+    seed sweep gets different dropout masks, mixed (splitmix64) so that the state's
+    stream is not the very stream that initialized the model's weights.
+    """
+    z = (torch.initial_seed() + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF

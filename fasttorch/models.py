@@ -318,3 +318,28 @@ def consume(
     d[_DEAD] = by
     if error is not None:
         d[_FAILED] = failure_summary(error)
+
+
+def failure_note(name: str, state: Models, *, wrote: bool, eager: bool) -> str:
+    """The note on an error of step ``name`` over ``state``: after a member's step may
+    have written its donated tensors (``wrote``), or before any did."""
+    if wrote:
+        return (
+            f"fasttorch: the Models state passed to {name} was donated and is now "
+            "unusable (DonatedStateError): a member's step had updated its tensors in place, "
+            f"or may have, before the error: {AFTER_FAILURE}"
+        )
+    note = (
+        f"fasttorch: the Models state passed to {name} is still usable: the call "
+        "failed before any member's step wrote into it"
+    )
+    buffers = any(isinstance(m, TrainState) and m.buffers for m in state.members.values())
+    if not (eager and buffers):
+        return note
+    # Not told apart by version counters: BatchNorm's kernels write its running
+    # statistics without bumping them.
+    return (
+        f"{note}, except that the forwards may have updated buffers in place before the "
+        "error (BatchNorm running statistics), as model(x) does in a plain loop. Build the "
+        "members' steps with donate=False to keep them too"
+    )

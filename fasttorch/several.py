@@ -44,7 +44,7 @@ from fasttorch._shared_forward import (
 )
 from fasttorch._shared_scale import SharedScale
 from fasttorch.evaluation import eval_step as _eval_step
-from fasttorch.models import AFTER_FAILURE, Frozen, Member, Models, consume
+from fasttorch.models import Frozen, Member, Models, consume, failure_note
 from fasttorch.phases import Batch, Metrics, Tensors
 from fasttorch.state import (
     TrainState,
@@ -434,43 +434,16 @@ def _run(step: Several, state: Models, batch: Batch) -> tuple[Models, Metrics]:
             # A member's step may have written into the members' tensors (an earlier
             # member's update, a compiled kernel that ran): no longer a consistent state.
             consume(state, consumed, step.name, error=e)
-            e.add_note(_dead_note(step))
+            e.add_note(failure_note(step.name, state, wrote=True, eager=False))
         elif step.donate:  # raised before any member's step wrote: nothing consumed
-            e.add_note(_intact_note(step, state))
+            eager = bool(step.outputs) or any(s.is_eager for _, s in step.steps)
+            e.add_note(failure_note(step.name, state, wrote=False, eager=eager))
         raise
     finally:
         pending.__exit__()
     if step.donate:
         consume(state, consumed, step.name)
     return Models(members=members), metrics
-
-
-def _dead_note(step: Several) -> str:
-    """The note on an error raised after a member's step may have written its state."""
-    return (
-        f"fasttorch: the Models state passed to {step.name} was donated and is now "
-        "unusable (DonatedStateError): a member's step had updated its tensors in place, "
-        f"or may have, before the error: {AFTER_FAILURE}"
-    )
-
-
-def _intact_note(step: Several, state: Models) -> str:
-    """The note on an error raised before any member's step wrote into the state."""
-    note = (
-        f"fasttorch: the Models state passed to {step.name} is still usable: the call "
-        "failed before any member's step wrote into it"
-    )
-    members = state.members
-    eager = bool(step.outputs) or any(s.is_eager for _, s in step.steps)
-    if not (eager and any(isinstance(m, TrainState) and m.buffers for m in members.values())):
-        return note
-    # Not told apart by version counters: BatchNorm's kernels write its running
-    # statistics without bumping them.
-    return (
-        f"{note}, except that the forwards may have updated buffers in place before the "
-        "error (BatchNorm running statistics), as model(x) does in a plain loop. Build the "
-        "members' steps with donate=False to keep them too"
-    )
 
 
 def _run_member(

@@ -20,7 +20,7 @@ from fasttorch._module import is_sharded as is_sharded
 from fasttorch._module import local_tensor as local_tensor
 from fasttorch._module import reshard as reshard
 from fasttorch._module import training_modes as training_modes
-from fasttorch._rng import initial_rng_state
+from fasttorch._rng import default_seed, initial_rng_state
 from fasttorch.substates import any_declares
 
 if TYPE_CHECKING:
@@ -267,19 +267,6 @@ class TrainState(struct.Record):
             f"buffers={len(self.buffers)}, step={self.step!r}, "
             f"substates={sorted(self.substates)}, device={self.device})"
         )
-
-
-def default_seed() -> int:
-    """The seed of a state's generator when none is given: from ``torch.initial_seed()``.
-
-    The seed of torch's global generator (that of the last ``torch.manual_seed``), so a
-    seed sweep gets different dropout masks, mixed (splitmix64) so that the state's
-    stream is not the very stream that initialized the model's weights.
-    """
-    z = (torch.initial_seed() + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 def check_template(state: TrainState, api: str) -> None:
