@@ -156,7 +156,11 @@ def loss_phase(loss_fn: LossFn, *, needs_apply: bool = True) -> LossPhase:
         called: list[bool] = []  # whether loss_fn ran the model through apply
 
         def apply(*args: Any, **kwargs: Any) -> Any:
-            called.append(True)
+            if not torch.compiler.is_compiling():
+                # Eager only: in a graph, apply may run inside torch.utils.checkpoint,
+                # whose region refuses side effects; the compiled step refuses an
+                # unreached loss from its graph's inputs instead (_reached).
+                called.append(True)
             # The module's own tensors (a sharded state's are its shards, and a sharded
             # state never runs in a graph: FSDP2's hooks cannot): call it as is.
             own = type(params) is ModuleTensors
@@ -185,7 +189,7 @@ def loss_phase(loss_fn: LossFn, *, needs_apply: bool = True) -> LossPhase:
                 )
                 raise
         record = as_loss(out, batch, name)
-        if needs_apply and len(called) == 0:  # not bool(list): dynamo on 2.11 refuses it
+        if needs_apply and not torch.compiler.is_compiling() and len(called) == 0:
             # The model itself, or a copy of it, ran instead: under compiled or
             # donate=False that trains nothing, and a donated eager step, whose state
             # shares the model's tensors, refuses it too rather than train differently.
