@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from fasttorch import struct
+from fasttorch import _checks, struct
 from fasttorch.phases import Tensors
 from fasttorch.state import (
     DonatedStateError,
@@ -93,16 +93,18 @@ class Frozen(struct.Record):
             raise TypeError(f"Frozen.create expects an nn.Module, got {type(module).__name__}")
         if follows is not None and not isinstance(follows, str):
             raise TypeError(f"Frozen.create: follows names a member, got {follows!r}")
-        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 < tau <= 1:
-            raise ValueError(
-                f"Frozen.create: tau={tau!r}; the polyak weight of the followed member's "
-                "parameters is a number in (0, 1] (1: copy them)"
-            )
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ValueError(
-                f"Frozen.create: every={every!r}; it is the number of the followed "
-                "member's updates between two target updates, an int >= 1"
-            )
+        _checks.real(
+            "Frozen.create",
+            "tau",
+            tau,
+            low=0.0,
+            low_open=True,
+            high=1.0,
+            rule="in (0, 1] (the polyak weight of the followed member's parameters; 1 copies)",
+        )
+        _checks.count(
+            "Frozen.create", "every", every, hint="The followed member's updates per target update."
+        )
         if follows is None and (tau != 1.0 or every != 1):
             raise ValueError(
                 "Frozen.create: tau and every describe a target network; name the member "

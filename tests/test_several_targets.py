@@ -158,9 +158,9 @@ def test_target_network_is_saved_and_resumed_bit_for_bit(tmp_path: Any) -> None:
 
 def test_target_network_errors_are_raised_at_create_time() -> None:
     q0 = q_net()
-    with pytest.raises(ValueError, match=r"tau=0; .* in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"tau must be in \(0, 1\].*got tau=0"):
         fasttorch.Frozen.create(copy.deepcopy(q0), follows="q", tau=0)
-    with pytest.raises(ValueError, match=r"every=0"):
+    with pytest.raises(ValueError, match=r"every must be an integer >= 1, got 0"):
         fasttorch.Frozen.create(copy.deepcopy(q0), follows="q", every=0)
     with pytest.raises(ValueError, match=r"name the member it follows"):
         fasttorch.Frozen.create(copy.deepcopy(q0), tau=0.5)
