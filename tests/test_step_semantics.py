@@ -230,10 +230,13 @@ def test_a_loss_that_calls_the_model_instead_of_apply_is_refused(target, mode, d
     step = fasttorch.grad_accumulate(fasttorch.step(direct, donate=donate), accumulate)
     if mode == "compiled":
         step = fasttorch.compiled(step, backend="aot_eager")
+    # Eagerly the step saw that apply was never called; compiled, the graph's gradients
+    # reach none of the parameter inputs (apply's note is eager-only: inside
+    # torch.utils.checkpoint a graph refuses its side effect). The same guidance.
+    why = r"\(loss function 'direct' never called apply\)" if mode == "eager" else r"\(it has 4\)"
     with pytest.raises(
         ValueError,
-        match=r"reached none of the state's parameters \(loss function "
-        r"'direct' never called apply\).*deepcopy.*apply\(x\)",
+        match=r"reached none of the state's parameters " + why + r".*deepcopy.*apply\(x\)",
     ):
         step(state, _windows(1, 1)[0][0])
     assert int(state.step) == 0
