@@ -123,12 +123,15 @@ def traced_error(err: BaseException) -> TracedError | None:
     cause: BaseException | None = err
     while cause is not None and id(cause) not in seen:
         seen.add(id(cause))
-        if not is_compile_error(cause):
+        # torch 2.10 keeps only the type ("ExceptionVariable(<class ...>)"), not the
+        # message: dynamo's own error, which has it, is then the better report.
+        text = (str(cause.args[0]) if cause.args else "").removeprefix("raised exception ")
+        lost = text.startswith("ExceptionVariable(")
+        if not is_compile_error(cause) and not lost:
             return TracedError(type(cause), str(cause), frames)
         kind = kinds.get(type(cause))
-        if kind is not None:
-            text = str(cause.args[0]) if cause.args else ""
-            return TracedError(kind, text.removeprefix("raised exception "), frames)
+        if kind is not None and not lost:
+            return TracedError(kind, text, frames)
         cause = cause.__cause__ or cause.__context__
     first = (str(err).strip().splitlines() or [type(err).__name__])[0]
     return TracedError(None, first, frames)
