@@ -86,7 +86,7 @@ def model_step(
                 "state, or build a one-model step with fasttorch.step(loss_fn)"
             )
         outputs = None
-        phase = owning if others.outputs and not torch.is_grad_enabled() else inner
+        phase = owning if len(others.outputs) > 0 and not torch.is_grad_enabled() else inner
         if others.mine:  # the outputs it owns are differentiated as extra "parameters"
             outputs = {**others.outputs}
             outputs.update((k[len(PREFIX) :], v) for k, v in params.items() if k[:1] == "\x00")
