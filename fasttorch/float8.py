@@ -1,4 +1,4 @@
-"""Float8 training with torchao: :func:`convert` a model's linear layers, :func:`with_float8` the step.
+"""Float8 training with torchao: :func:`convert` the linear layers, :func:`with_float8` the step.
 
 torchao's ``Float8Linear`` casts a linear layer's input, weight and output gradient to
 float8 with dynamic scales (computed from each tensor's ``max |x|`` in the forward and
@@ -364,7 +364,7 @@ def with_float8(step: Step, *, precompute_fsdp_scales: bool = True) -> Step:
         >>> step(state, torch.randn(4, 16))
         Traceback (most recent call last):
         ...
-        ValueError: with_float8 (step '<lambda>'): the state's module (Sequential) has no float8 layers...
+        ValueError: with_float8 (step '<lambda>'): the state's module (Sequential) has no ...
     """
     check_wrap(step, "with_float8")
     _torchao("with_float8")
@@ -373,6 +373,4 @@ def with_float8(step: Step, *, precompute_fsdp_scales: bool = True) -> Step:
             "with_float8: precompute_fsdp_scales must be True or False, got "
             f"{precompute_fsdp_scales!r}"
         )
-    return step.with_phases(
-        "with_float8", hooks=(*step.hooks, _Float8Hook(precompute_fsdp_scales))
-    )
+    return step.with_phases("with_float8", hooks=(*step.hooks, _Float8Hook(precompute_fsdp_scales)))

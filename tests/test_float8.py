@@ -1,0 +1,269 @@
+"""fasttorch.float8: torchao's float8 training in a fasttorch step, on the CPU in emulation.
+
+Every composition is checked against torchao's own training loop on a deep copy of the
+same model (``convert_to_float8_training`` + ``torch.optim.AdamW`` in the form fasttorch's
+``adamw`` equals, ``clip_grad_norm_``, the loss divided by the number of microbatches),
+step for step. Both sides run the same operations: torchao's casts and emulated scaled
+products in the forward and backward, the same AdamW kernels. So the bound is rule 1
+(``tolerance.EXACT``), and it has to be: a float8 rounding is 2**-4 relative, and one
+flipped by a different order of operations would move a result far beyond rule 2.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+import warnings
+
+import pytest
+import torch
+from reference import adam_twin, mse
+from tolerance import EXACT
+
+import fasttorch
+from fasttorch import checkpoint
+
+ao = pytest.importorskip("torchao.float8")
+from fasttorch import float8  # noqa: E402 (after the skip: the module's examples need torchao)
+
+LR = 1e-2
+CLIP = 0.5
+DECAY = 0.8
+STEPS = 4
+N = 2  # microbatches per window
+
+
+class Net(torch.nn.Module):
+    """Linear layers of float8's shapes (multiples of 16), a LayerNorm, and an output
+    head of 4 (not a multiple of 16; left out by its name, as torchtitan does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(16, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.hidden = torch.nn.Linear(32, 48)
+        self.output = torch.nn.Linear(48, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.norm(self.inp(x)))
+        return self.output(torch.tanh(self.hidden(h)))
+
+
+def make_net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def data(steps: int = STEPS, rows: int = 16, seed: int = 1) -> list[tuple[torch.Tensor, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(rows, 16, generator=g), torch.randn(rows, 4, generator=g))
+        for _ in range(steps)
+    ]
+
+
+def torchao_config(recipe: str, **kw):
+    return dataclasses.replace(ao.Float8LinearConfig.from_recipe_name(recipe), emulate=True, **kw)
+
+
+COMPOSITIONS = ("plain", "accum_clip", "accum_clip_ema")
+
+
+def build(composition: str, mode: str) -> fasttorch.Step:
+    step = fasttorch.step(mse)
+    if composition != "plain":
+        step = fasttorch.clip_scaled(fasttorch.grad_accumulate(step, N), CLIP)
+    if composition.endswith("ema"):
+        step = fasttorch.ema(step, DECAY)
+    step = float8.with_float8(step)
+    if mode == "compiled":
+        step = fasttorch.compiled(step, backend="aot_eager")
+    return step
+
+
+def torchao_loop(plain: Net, recipe: str, composition: str, batches):
+    """torchao's own loop on a deep copy: convert_to_float8_training, torch's AdamW,
+    the loss / N backward per microbatch, clip_grad_norm_, and the EMA as
+    ``ema_v.lerp_(v, 1 - decay)``. Yields each step's parameters, loss and EMA."""
+    model = copy.deepcopy(plain)
+    ao.convert_to_float8_training(
+        model, config=torchao_config(recipe), module_filter_fn=lambda m, fqn: fqn != "output"
+    )
+    opt = adam_twin(torch.optim.AdamW, LR, weight_decay=1e-2)(model.parameters())
+    average = copy.deepcopy(model)
+    for x, y in batches:
+        micro = [(x, y)] if composition == "plain" else zip(x.tensor_split(N), y.tensor_split(N))
+        losses = []
+        for mb in micro:
+            loss = mse(model, mb)
+            losses.append(loss.detach())
+            (loss if composition == "plain" else loss / N).backward()
+        if composition != "plain":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for e, v in zip(average.state_dict().values(), model.state_dict().values()):
+                e.lerp_(v, 1 - DECAY)
+        params = {k: p.detach().clone() for k, p in model.named_parameters()}
+        ema = {k: p.detach().clone() for k, p in average.named_parameters()}
+        yield params, torch.stack(losses).mean(), ema
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("composition", COMPOSITIONS)
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_step_equals_torchaos_own_loop_step_for_step(recipe, composition, mode):
+    plain = make_net()
+    model = float8.convert(copy.deepcopy(plain), recipe, emulate=True)
+    assert float8.float8_layers(model) == ["inp", "hidden"]  # not the output head
+    state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(LR))
+    step = build(composition, mode)
+    batches = data()
+    for i, (params, loss, ema) in enumerate(torchao_loop(plain, recipe, composition, batches)):
+        state, metrics = step(state, batches[i])
+        # Rule 1: the same casts, scaled products and AdamW kernels on both sides.
+        for k, p in params.items():
+            torch.testing.assert_close(state.params[k], p, **EXACT, msg=f"step {i}, {k}")
+        torch.testing.assert_close(metrics["loss"], loss, **EXACT)
+        if composition.endswith("ema"):
+            for k, p in ema.items():
+                torch.testing.assert_close(state.substates["ema"].params[k], p, **EXACT)
+    assert int(state.step) == STEPS
+
+
+def test_the_float8_layers_change_the_numbers():
+    """The comparison above is not of two high-precision runs: one float8 step lands
+    elsewhere than the same step of the unconverted model."""
+    plain = make_net()
+    batch = data(1)[0]
+    out = {}
+    for name, model in (
+        ("plain", copy.deepcopy(plain)),
+        ("f8", float8.convert(copy.deepcopy(plain), emulate=True)),
+    ):
+        state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(LR))
+        out[name], _ = fasttorch.step(mse)(state, batch)
+    assert not torch.equal(out["plain"].params["inp.weight"], out["f8"].params["inp.weight"])
+
+
+def test_checkpoint_resume_is_bit_exact(tmp_path):
+    """Save after 2 windows, load into a fresh converted model's state, run 2 more:
+    every leaf equals 4 uninterrupted windows bit for bit (rule 1)."""
+    batches = data()
+    step = build("accum_clip_ema", "eager")
+
+    def fresh():
+        model = float8.convert(make_net(seed=5), "rowwise", emulate=True)
+        return step.init(fasttorch.TrainState.create(model, fasttorch.optim.adamw(LR)))
+
+    state = fresh()
+    for b in batches[:2]:
+        state, _ = step(state, b)
+    path = checkpoint.save(tmp_path, state)
+    for b in batches[2:]:
+        state, last = step(state, b)
+    resumed, _ = checkpoint.load(path, fresh())
+    for b in batches[2:]:
+        resumed, mine = step(resumed, b)
+    ours = torch.utils._pytree.tree_leaves(state)
+    theirs = torch.utils._pytree.tree_leaves(resumed)
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, **EXACT)
+    torch.testing.assert_close(mine["loss"], last["loss"], **EXACT)
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_without_torchao_both_parts_say_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import raises ImportError
+    with pytest.raises(ImportError, match=r'pip install "fasttorch\[ao\]"'):
+        float8.convert(make_net(), emulate=True)
+    with pytest.raises(ImportError, match=r'pip install "fasttorch\[ao\]"'):
+        float8.with_float8(fasttorch.step(mse))
+
+
+def test_a_cpu_without_emulation_is_refused_with_the_way_out():
+    model = make_net()
+    with pytest.raises(ValueError, match=r"on cpu, where float8 cannot run.*emulate=True"):
+        float8.convert(model)
+    assert float8.float8_layers(model) == []  # refused before anything changed
+
+
+def test_a_gpu_below_compute_capability_8_9_has_no_float8(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100")
+    ok, why = float8.matmul_support("cuda")
+    assert not ok and "8.0" in why and "8.9" in why
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    assert float8.matmul_support("cuda")[0]
+
+
+def test_a_module_built_on_meta_and_moved_to_the_cpu_is_refused_at_the_first_call():
+    with torch.device("meta"):
+        model = Net()
+    float8.convert(model)  # meta: nothing to check yet
+    model.to_empty(device="cpu")
+    state = fasttorch.TrainState.create(model, fasttorch.optim.sgd(0.1))
+    step = float8.with_float8(fasttorch.step(mse))
+    with pytest.raises(ValueError, match=r"with_float8 \(step 'mse'\): .*on cpu.*emulate=True"):
+        step(state, data(1)[0])
+    assert int(state.step) == 0  # refused before the step ran: the state is intact
+
+
+def test_a_layer_float8_cannot_take_is_refused_when_chosen_and_skipped_with_a_warning():
+    class Odd(Net):
+        def __init__(self):
+            super().__init__()
+            self.side = torch.nn.Linear(16, 10)  # 10 is not a multiple of 16
+
+    with pytest.raises(ValueError, match=r"'side' \(Linear 16 -> 10\).*multiples of 16"):
+        float8.convert(Odd(), emulate=True, module_filter_fn=lambda m, fqn: True)
+    with pytest.warns(UserWarning, match=r"stay in high precision.*: side"):
+        model = float8.convert(Odd(), emulate=True)
+    assert float8.float8_layers(model) == ["inp", "hidden"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # named in filter_fqns: left out without a word
+        float8.convert(Odd(), emulate=True, filter_fqns=("output", "side"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"recipe": "blockwise"}, "recipe must be one of 'tensorwise', 'rowwise'"),
+        (
+            {"recipe": "rowwise", "enable_fsdp_float8_all_gather": True},
+            "needs recipe='tensorwise', got 'rowwise'",
+        ),
+        ({"filter_fqns": ("inp", "hidden")}, "no linear layer of Net to convert"),
+        ({"filter_fqns": "output"}, "write filter_fqns=('output',)"),
+    ],
+)
+def test_bad_options_are_refused(kwargs, words):
+    with pytest.raises(
+        (ValueError, TypeError), match=words.replace("(", r"\(").replace(")", r"\)")
+    ):
+        float8.convert(make_net(), emulate=True, **kwargs)
+
+
+def test_converting_twice_or_a_bare_linear_is_refused():
+    model = float8.convert(make_net(), emulate=True)
+    with pytest.raises(ValueError, match="already has float8 layers"):
+        float8.convert(model, emulate=True)
+    with pytest.raises(ValueError, match="root module is a Linear"):
+        float8.convert(torch.nn.Linear(16, 16), emulate=True)
+
+
+def test_with_float8_refuses_a_module_that_was_not_converted():
+    state = fasttorch.TrainState.create(make_net(), fasttorch.optim.sgd(0.1))
+    step = float8.with_float8(fasttorch.step(mse))
+    with pytest.raises(ValueError, match=r"has no float8 layers.*fasttorch.float8.convert"):
+        step(state, data(1)[0])
+    with pytest.raises(ValueError, match="with_float8 is already applied"):
+        float8.with_float8(step)
+    with pytest.raises(TypeError, match="precompute_fsdp_scales must be True or False"):
+        float8.with_float8(fasttorch.step(mse), precompute_fsdp_scales=1)  # type: ignore[arg-type]
