@@ -234,7 +234,7 @@ def convert(
             f"float8.convert: the module already has float8 layers ({', '.join(done[:3])}"
             f"{', ...' if len(done) > 3 else ''}); convert it once"
         )
-    if is_sharded(module):
+    if _sharded_now(module):
         raise ValueError(
             "float8.convert: the module is already sharded with FSDP2 (fully_shard); "
             "convert it first, then shard it, as torchtitan does: FSDP2 must see the "
@@ -269,6 +269,14 @@ def convert(
         module, config=config, module_filter_fn=lambda m, fqn: fqn in names
     )
     return module
+
+
+def _sharded_now(module: nn.Module) -> bool:
+    # Not fasttorch.state.is_sharded, which remembers its answer per module: the module
+    # converted here is sharded next.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kind = getattr(fsdp, "FSDPModule", ())
+    return any(isinstance(m, kind) for m in module.modules())
 
 
 def float8_layers(module: nn.Module) -> list[str]:

@@ -267,3 +267,52 @@ def test_with_float8_refuses_a_module_that_was_not_converted():
         float8.with_float8(step)
     with pytest.raises(TypeError, match="precompute_fsdp_scales must be True or False"):
         float8.with_float8(fasttorch.step(mse), precompute_fsdp_scales=1)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------ FSDP2, float8 all-gather
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """tests/float8_fsdp_worker.py's checks in one spawned 2-rank gloo group."""
+    from dist_kit import spawn_group
+    from float8_fsdp_worker import run
+
+    return spawn_group(run, 2, tmp_path_factory.mktemp("float8_fsdp"))
+
+
+def _ranks(results, name):
+    for r, res in enumerate(results):
+        assert "exception" not in res[name], f"rank {r}:\n{res[name].get('exception')}"
+    return [res[name] for res in results]
+
+
+@pytest.mark.parametrize("case", ["eager", "eager_clip", "compiled_clip"])
+def test_sharded_float8_all_gather_equals_torchaos_fsdp2_loop(sharded, case):
+    """2 gloo ranks, FSDP2 over the float8 layers with float8 all-gather, the scales
+    precomputed inside the step, against torchao's recipe by hand on the same ranks
+    (fully_shard, torch's AdamW, precompute_float8_dynamic_scale_for_fsdp after each
+    optimizer step). gloo carries the float8 bytes: no refusal is needed."""
+    for r in _ranks(sharded, case):
+        assert r["steps"] == 3 and r["moved"] > 0, r
+        if case == "eager":
+            assert r["diff"] == 0.0, r  # rule 1: the same operations on the same shards
+        else:
+            # rule 2: the clipping norm is summed in another order (see the worker)
+            assert r["diff"] <= r["bound"], r
+        weights = {k: v for k, v in r["kinds"].items() if k.endswith("weight")}
+        assert weights == {
+            "inp.weight": "WeightWithDynamicFloat8CastTensor",
+            "hidden.weight": "WeightWithDynamicFloat8CastTensor",
+            "output.weight": "Tensor",  # the head, left out, gathers in float32
+        }, r
+        # Every all-gather of a float8 layer sent float8 bytes cast with the scale the
+        # step precomputed, as many as torchao's own loop made.
+        assert r["gathers"] and len(r["gathers"]) == len(r["hand_gathers"]), r
+        assert all(g == ["torch.float8_e4m3fn", True] for g in r["gathers"]), r
+        assert r["gathers"] == r["hand_gathers"], r
+
+
+def test_without_the_precompute_each_all_gather_scales_its_own_weight(sharded):
+    for r in _ranks(sharded, "no_precompute"):
+        assert r["gathers"] and all(g == ["torch.float8_e4m3fn", False] for g in r["gathers"]), r
