@@ -16,6 +16,10 @@ Accelerate rows (B4, B5) run only where those are installed.
    cold caches): ``torch.compile(model)``, the whole step and the step with
    ``regions=True`` at 12 layers, a warm start, then the same three at 24 layers.
 
+``--float8`` runs, instead of a part, ``benchmarks.float8``: GPT-2 124M and a 1.3B GPT,
+the compiled bf16 step against the same step with torchao's float8 recipes (tokens/s);
+the table goes in the same section.
+
 ``--dry-run`` runs every piece on a CPU at toy sizes (M1, eager variants; fp16 and
 CUDA-graph rows noted as not run; the compile part at 1 layer with ``aot_eager``, once),
 into ``.gpu-cache/dry-run*`` unless told otherwise: it checks the machinery, and its
@@ -278,6 +282,19 @@ def _section(saved: dict[str, Any], dry_run: bool) -> str:
     compiled = [r for s in stages.values() if isinstance(s, dict) for r in s.get("compile", [])]
     if compiled:
         lines += ["", *_compile_section(compiled)]
+    f8 = saved.get("float8")
+    if isinstance(f8, dict):
+        from benchmarks import float8
+
+        lines += ["", f"### float8 training against bf16 ({f8['date']})", ""]
+        lines += [
+            "Written by `python -m benchmarks.gpu --float8` (`benchmarks.float8`): the same "
+            "compiled step (bf16 autocast, grad_accumulate, clip_scaled, AdamW) with the model "
+            "as it is and converted by `fasttorch.float8.convert` (output head in bf16). "
+            "torchao's target: 1.25x or more over bf16 where float8 applies.",
+            "",
+        ]
+        lines.append(float8.table(f8["rows"]))
     notes = saved.get("notes", [])
     if notes:
         lines += ["", "Not run:", "", *(f"- {n}" for n in notes)]
@@ -365,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--cache-dir", type=Path, default=CACHE, help="results and inductor caches (carry it)"
     )
+    ap.add_argument("--float8", action="store_true", help="float8 against bf16 (benchmarks.float8)")
     ap.add_argument("--top-kernels", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default="M3", help=argparse.SUPPRESS)
     ap.add_argument("--precision", default="bf16", help=argparse.SUPPRESS)
@@ -386,7 +404,19 @@ def main(argv: list[str] | None = None) -> int:
     saved: dict[str, Any] = json.loads(results.read_text()) if results.exists() else {}
     done = saved.setdefault("stages", {})
     part = args.part or next((s.part for s in STAGES if s.key not in done), None)
-    if part is None:
+    if args.float8:
+        from benchmarks import float8
+
+        f8 = float8.parse(["--dry-run", "--steps", "2", "--warmup", "1"] if args.dry_run else [])
+        saved["float8"] = {"date": str(datetime.date.today()), "rows": float8.run(f8)}
+        saved.setdefault("torch", torch.__version__)
+        saved.setdefault("device", device)
+        saved.setdefault(
+            "device_name", torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
+        )
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps(saved, indent=1))
+    elif part is None:
         print("every part is done; the section is rewritten from the saved results")
     else:
         saved["dates"] = [*saved.get("dates", []), f"part {part} {datetime.date.today()}"]
