@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
+import os
+import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,8 +67,8 @@ def data(steps: int = STEPS, rows: int = 16, seed: int = 1) -> list[tuple[torch.
     ]
 
 
-def torchao_config(recipe: str, **kw):
-    return dataclasses.replace(ao.Float8LinearConfig.from_recipe_name(recipe), emulate=True, **kw)
+def torchao_config(recipe: str, emulate: bool = True):
+    return dataclasses.replace(ao.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
 
 
 COMPOSITIONS = ("plain", "accum_clip", "accum_clip_ema")
@@ -82,13 +86,15 @@ def build(composition: str, mode: str) -> fasttorch.Step:
     return step
 
 
-def torchao_loop(plain: Net, recipe: str, composition: str, batches):
+def torchao_loop(plain: Net, recipe: str, composition: str, batches, emulate: bool = True):
     """torchao's own loop on a deep copy: convert_to_float8_training, torch's AdamW,
     the loss / N backward per microbatch, clip_grad_norm_, and the EMA as
     ``ema_v.lerp_(v, 1 - decay)``. Yields each step's parameters, loss and EMA."""
     model = copy.deepcopy(plain)
     ao.convert_to_float8_training(
-        model, config=torchao_config(recipe), module_filter_fn=lambda m, fqn: fqn != "output"
+        model,
+        config=torchao_config(recipe, emulate),
+        module_filter_fn=lambda m, fqn: fqn != "output",
     )
     opt = adam_twin(torch.optim.AdamW, LR, weight_decay=1e-2)(model.parameters())
     average = copy.deepcopy(model)
@@ -131,6 +137,30 @@ def test_a_step_equals_torchaos_own_loop_step_for_step(recipe, composition, mode
             for k, p in ema.items():
                 torch.testing.assert_close(state.substates["ema"].params[k], p, **EXACT)
     assert int(state.step) == STEPS
+
+
+def _float8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _float8_gpu(), reason="needs a GPU of compute capability 8.9 or more")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_on_a_float8_gpu_a_step_equals_torchaos_own_loop(recipe):
+    """The same comparison with torch._scaled_mm's float8 kernels (no emulation), eager:
+    the same kernels on both sides (rule 1)."""
+    plain = make_net().cuda()
+    model = float8.convert(copy.deepcopy(plain), recipe)
+    state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(LR))
+    step = build("accum_clip", "eager")
+    batches = [tuple(t.cuda() for t in b) for b in data()]
+    for i, (params, loss, _) in enumerate(
+        torchao_loop(plain, recipe, "accum_clip", batches, emulate=False)
+    ):
+        state, metrics = step(state, batches[i])
+        for k, p in params.items():
+            torch.testing.assert_close(state.params[k], p, **EXACT, msg=f"step {i}, {k}")
+        torch.testing.assert_close(metrics["loss"], loss, **EXACT)
 
 
 def test_the_float8_layers_change_the_numbers():
@@ -316,3 +346,79 @@ def test_sharded_float8_all_gather_equals_torchaos_fsdp2_loop(sharded, case):
 def test_without_the_precompute_each_all_gather_scales_its_own_weight(sharded):
     for r in _ranks(sharded, "no_precompute"):
         assert r["gathers"] and all(g == ["torch.float8_e4m3fn", False] for g in r["gathers"]), r
+
+
+# ------------------------------------------------------------ benchmarks/float8.py
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), *sys.path])}
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.float8", *args],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (("--recipes", "blockwise"), "--recipes: unknown ['blockwise']"),
+        (("--models", "7b"), "--models: unknown ['7b']"),
+        (("--dry-run", "--steps", "0"), "--steps must be >= 1"),
+    ],
+)
+def test_the_float8_benchmark_refuses_bad_arguments(args, words):
+    proc = _bench(*args)
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+def test_the_float8_benchmark_needs_a_gpu_unless_dry_run():
+    proc = _bench("--steps", "2")
+    assert proc.returncode == 2 and "no CUDA device here" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_float8_benchmark_runs_its_machinery_on_the_cpu(tmp_path):
+    """--dry-run: the toy GPT, bf16 and tensorwise (emulated), compiled with aot_eager."""
+    out = tmp_path / "rows.json"
+    proc = _bench(
+        "--dry-run", "--recipes", "tensorwise", "--steps", "1", "--warmup", "0", "--json", str(out)
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [r["variant"] for r in rows] == ["bf16", "tensorwise"]
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
+    assert "| tensorwise |" in proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _float8_gpu(), reason="needs a GPU of compute capability 8.9 or more")
+def test_the_float8_benchmark_on_a_gpu(tmp_path):
+    """GPT-2 124M, bf16 against tensorwise float8, compiled: it runs and reports a ratio
+    (the speed itself is the benchmark's table, not a test's threshold)."""
+    out = tmp_path / "rows.json"
+    proc = _bench("--models", "124m", "--recipes", "tensorwise", "--steps", "3", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
+
+
+def test_the_gpu_command_puts_the_float8_table_in_its_section():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks import gpu
+
+    row = {"model": "GPT", "step_ms": 10.0, "warmup_s": 1.0, "peak_gib": 2.0, "loss": 5.0}
+    rows = [
+        {**row, "variant": "bf16", "tokens_per_s": 1000.0},
+        {**row, "variant": "tensorwise", "tokens_per_s": 1300.0},
+        {"model": "GPT", "variant": "rowwise", "error": "OutOfMemoryError()"},
+    ]
+    text = gpu._section({"float8": {"date": "2026-11-29", "rows": rows}}, dry_run=False)
+    assert "### float8 training against bf16 (2026-11-29)" in text
+    assert "| GPT | tensorwise | 1,300 | 10.0 | 1.30x | 2.0 | 5.000 |" in text
+    assert "| GPT | rowwise | failed: OutOfMemoryError() |" in text
