@@ -34,6 +34,7 @@ MODULES = (
     "fasttorch.data",
     "fasttorch.loop",
     "fasttorch.testing",
+    "fasttorch.float8",
 )
 HEADER = (
     "# API reference\n\n"

@@ -119,7 +119,7 @@ def torchao_loop(plain: Net, recipe: str, composition: str, batches, emulate: bo
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 @pytest.mark.parametrize("composition", COMPOSITIONS)
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_a_step_equals_torchaos_own_loop_step_for_step(recipe, composition, mode):
     plain = make_net()
     model = float8.convert(copy.deepcopy(plain), recipe, emulate=True)
