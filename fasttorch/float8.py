@@ -300,7 +300,7 @@ class _Float8Hook:
         module = state.module
         gathers = self.checked.get(module)
         if gathers is None:
-            gathers = self.checked[module] = _check_module(step.name, module)
+            gathers = self.checked[module] = _check_module(step, module, state.device)
         if gathers and self.precompute:
             ao = importlib.import_module("torchao.float8")
             # One all-reduce of every float8 weight's max |w| (as torchtitan does after
@@ -311,10 +311,10 @@ class _Float8Hook:
         pass
 
 
-def _check_module(name: str, module: nn.Module) -> bool:
+def _check_module(step: Step, module: nn.Module, device: torch.device) -> bool:
     """Raise unless ``module`` has float8 layers on a device that runs them; return
     whether FSDP2 gathers any of their weights in float8."""
-    api = f"with_float8 (step {name!r})"
+    api = f"with_float8 (step {step.name!r})"
     fqns = float8_layers(module)
     if not fqns:
         raise ValueError(
@@ -329,6 +329,16 @@ def _check_module(name: str, module: nn.Module) -> bool:
         layer = layers[fqn]
         _check_device(api, layer.weight.device, layer.config.emulate)
         gathers = gathers or layer.config.enable_fsdp_float8_all_gather
+        high = layer.config.cast_config_input_for_grad_weight.scaling_type.value == "disabled"
+        if high and device.type == "cpu" and "with_amp" in step.transforms:
+            raise ValueError(
+                f"{api}: layer {fqn!r} (recipe 'rowwise_with_gw_hp') cannot train under "
+                "with_amp on a CPU: torchao's Float8Linear follows CUDA's autocast only, so "
+                "its weight-gradient product, kept in high precision, would multiply the "
+                "float32 input by a bf16 output gradient and fail in the backward (torchao's "
+                "own loop fails the same way). On a CPU use recipe 'rowwise' or "
+                "'tensorwise', or leave with_amp out; on a GPU this recipe works under it"
+            )
     return gathers and is_sharded(module)
 
 

@@ -71,11 +71,13 @@ def torchao_config(recipe: str, emulate: bool = True):
     return dataclasses.replace(ao.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
 
 
-COMPOSITIONS = ("plain", "accum_clip", "accum_clip_ema")
+COMPOSITIONS = ("plain", "accum_clip", "accum_clip_ema", "bf16_accum_clip")
 
 
 def build(composition: str, mode: str) -> fasttorch.Step:
     step = fasttorch.step(mse)
+    if composition.startswith("bf16"):
+        step = fasttorch.with_amp(step, "bf16")
     if composition != "plain":
         step = fasttorch.clip_scaled(fasttorch.grad_accumulate(step, N), CLIP)
     if composition.endswith("ema"):
@@ -88,8 +90,9 @@ def build(composition: str, mode: str) -> fasttorch.Step:
 
 def torchao_loop(plain: Net, recipe: str, composition: str, batches, emulate: bool = True):
     """torchao's own loop on a deep copy: convert_to_float8_training, torch's AdamW,
-    the loss / N backward per microbatch, clip_grad_norm_, and the EMA as
-    ``ema_v.lerp_(v, 1 - decay)``. Yields each step's parameters, loss and EMA."""
+    the loss / N backward per microbatch (under bf16 autocast for "bf16_..."),
+    clip_grad_norm_, and the EMA as ``ema_v.lerp_(v, 1 - decay)``. Yields each step's
+    parameters, loss and EMA."""
     model = copy.deepcopy(plain)
     ao.convert_to_float8_training(
         model,
@@ -102,7 +105,9 @@ def torchao_loop(plain: Net, recipe: str, composition: str, batches, emulate: bo
         micro = [(x, y)] if composition == "plain" else zip(x.tensor_split(N), y.tensor_split(N))
         losses = []
         for mb in micro:
-            loss = mse(model, mb)
+            bf16 = composition.startswith("bf16")
+            with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = mse(model, mb)
             losses.append(loss.detach())
             (loss if composition == "plain" else loss / N).backward()
         if composition != "plain":
@@ -118,8 +123,16 @@ def torchao_loop(plain: Net, recipe: str, composition: str, batches, emulate: bo
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
-@pytest.mark.parametrize("composition", COMPOSITIONS)
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+@pytest.mark.parametrize(
+    ("recipe", "composition"),
+    [
+        (r, c)
+        for r in ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+        for c in COMPOSITIONS
+        # refused on a CPU: test_rowwise_with_gw_hp_under_cpu_autocast_is_refused
+        if not (r == "rowwise_with_gw_hp" and c.startswith("bf16"))
+    ],
+)
 def test_a_step_equals_torchaos_own_loop_step_for_step(recipe, composition, mode):
     plain = make_net()
     model = float8.convert(copy.deepcopy(plain), recipe, emulate=True)
@@ -147,15 +160,15 @@ def _float8_gpu() -> bool:
 @pytest.mark.skipif(not _float8_gpu(), reason="needs a GPU of compute capability 8.9 or more")
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_on_a_float8_gpu_a_step_equals_torchaos_own_loop(recipe):
-    """The same comparison with torch._scaled_mm's float8 kernels (no emulation), eager:
-    the same kernels on both sides (rule 1)."""
+    """The same comparison with torch._scaled_mm's float8 kernels (no emulation), under
+    bf16 autocast, eager: the same kernels on both sides (rule 1)."""
     plain = make_net().cuda()
     model = float8.convert(copy.deepcopy(plain), recipe)
     state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(LR))
-    step = build("accum_clip", "eager")
+    step = build("bf16_accum_clip", "eager")
     batches = [tuple(t.cuda() for t in b) for b in data()]
     for i, (params, loss, _) in enumerate(
-        torchao_loop(plain, recipe, "accum_clip", batches, emulate=False)
+        torchao_loop(plain, recipe, "bf16_accum_clip", batches, emulate=False)
     ):
         state, metrics = step(state, batches[i])
         for k, p in params.items():
@@ -286,6 +299,29 @@ def test_converting_twice_or_a_bare_linear_is_refused():
         float8.convert(model, emulate=True)
     with pytest.raises(ValueError, match="root module is a Linear"):
         float8.convert(torch.nn.Linear(16, 16), emulate=True)
+
+
+def test_rowwise_with_gw_hp_under_cpu_autocast_is_refused():
+    """torchao's Float8Linear casts to the autocast dtype only under CUDA's autocast: on
+    a CPU its high-precision weight gradient meets a bf16 gradient and a float32 input,
+    and torchao's own loop fails in the backward. fasttorch says so before the step."""
+    plain = make_net()
+    ref = copy.deepcopy(plain)
+    ao.convert_to_float8_training(
+        ref,
+        config=torchao_config("rowwise_with_gw_hp"),
+        module_filter_fn=lambda m, f: f != "output",
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = mse(ref, data(1)[0])
+    with pytest.raises(RuntimeError, match="same dtype"):
+        loss.backward()
+    model = float8.convert(plain, "rowwise_with_gw_hp", emulate=True)
+    state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(LR))
+    step = build("bf16_accum_clip", "eager")
+    with pytest.raises(ValueError, match=r"layer 'inp' \(recipe 'rowwise_with_gw_hp'\).*'rowwise'"):
+        step(state, data(1)[0])
+    assert int(state.step) == 0
 
 
 def test_with_float8_refuses_a_module_that_was_not_converted():
