@@ -174,12 +174,52 @@ def check_without_precompute(rank):
     return {"gathers": spy.seen}
 
 
+def check_checkpoint_resume(rank, out_dir):
+    """Save the sharded float8 state after 2 of 3 windows (DCP, each rank its shards),
+    load it into a freshly converted and sharded model's state, run the last window:
+    every parameter and optimizer tensor equals the uninterrupted run bit for bit."""
+    from fasttorch import checkpoint
+
+    def fresh():
+        model = float8.convert(
+            plain(), "tensorwise", emulate=True, enable_fsdp_float8_all_gather=True
+        )
+        return replicate(fasttorch.TrainState.create(shard(model), fasttorch.optim.adamw(LR)))
+
+    step = float8.with_float8(
+        fasttorch.clip_scaled(sync_on_last(fasttorch.grad_accumulate(fasttorch.step(mse), N)), CLIP)
+    )
+    data = batches(rank)
+    state = fresh()
+    for b in data[:2]:
+        state, _ = step(state, b)
+    path = checkpoint.save(os.path.join(out_dir, "ckpt"), state)
+    state, _ = step(state, data[2])
+    resumed, _ = checkpoint.load(path, fresh(), inplace=True)
+    resumed, _ = step(resumed, data[2])
+
+    def whole(s):
+        like = dict(s.module.named_parameters())
+        out = {f"params/{k}": v.detach().full_tensor() for k, v in like.items()}
+        for k, v in s.opt_state.slots["exp_avg"].items():
+            out[f"exp_avg/{k}"] = v
+        return out
+
+    a, b = whole(state), whole(resumed)
+    return {
+        "equal": sorted(k for k in a if torch.equal(a[k], b[k])),
+        "keys": sorted(a),
+        "kinds": sorted({type(t).__name__ for t in resumed.params.values()}),
+    }
+
+
 CHECKS = {
     "eager": lambda r: check_equals_torchao(r, "eager", False),
     "eager_clip": lambda r: check_equals_torchao(r, "eager", True),
     "compiled_clip": lambda r: check_equals_torchao(r, "compiled", True),
     "no_precompute": check_without_precompute,
 }
+RUN_WITH_DIR = {"checkpoint": check_checkpoint_resume}
 
 
 def run(rank, world, port, out_dir):
@@ -188,6 +228,12 @@ def run(rank, world, port, out_dir):
     for name, check in CHECKS.items():
         try:
             results[name] = check(rank)
+        except Exception:
+            results[name] = {"exception": traceback.format_exc()}
+        dist.barrier()
+    for name, check in RUN_WITH_DIR.items():
+        try:
+            results[name] = check(rank, out_dir)
         except Exception:
             results[name] = {"exception": traceback.format_exc()}
         dist.barrier()

@@ -458,3 +458,12 @@ def test_the_gpu_command_puts_the_float8_table_in_its_section():
     assert "### float8 training against bf16 (2026-11-29)" in text
     assert "| GPT | tensorwise | 1,300 | 10.0 | 1.30x | 2.0 | 5.000 |" in text
     assert "| GPT | rowwise | failed: OutOfMemoryError() |" in text
+
+
+def test_a_sharded_float8_checkpoint_resumes_bit_for_bit(sharded):
+    """DCP over the float8 weights' shards (torchao's weight subclass inside FSDP2's
+    DTensors): saved after 2 windows, loaded in place into a freshly converted and
+    sharded model's state, the third window equals the uninterrupted run (rule 1)."""
+    for r in _ranks(sharded, "checkpoint"):
+        assert r["equal"] == r["keys"] and len(r["keys"]) == 12, r
+        assert r["kinds"] == ["Tensor", "WeightWithDynamicFloat8CastTensor"], r
