@@ -24,6 +24,7 @@ import pytest
 import torch
 from reference import adam_twin, mse
 from tolerance import EXACT
+from torch._dynamo.utils import counters
 
 import fasttorch
 from fasttorch import checkpoint
@@ -150,6 +151,9 @@ def test_a_step_equals_torchaos_own_loop_step_for_step(recipe, composition, mode
             for k, p in ema.items():
                 torch.testing.assert_close(state.substates["ema"].params[k], p, **EXACT)
     assert int(state.step) == STEPS
+    if mode == "compiled":  # the float8 casts traced whole, once
+        assert counters["stats"]["unique_graphs"] >= 1
+        assert not counters["graph_break"] and sum(counters["recompiles"].values()) == 0
 
 
 def _float8_gpu() -> bool:
