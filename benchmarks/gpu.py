@@ -17,8 +17,9 @@ Accelerate rows (B4, B5) run only where those are installed.
    ``regions=True`` at 12 layers, a warm start, then the same three at 24 layers.
 
 ``--float8`` runs, instead of a part, ``benchmarks.float8``: GPT-2 124M and a 1.3B GPT,
-the compiled bf16 step against the same step with torchao's float8 recipes (tokens/s);
-the table goes in the same section.
+the compiled bf16 step against the same step with torchao's float8 recipes (tokens/s),
+one model at a time, each saved when done (run it again to go on); the table goes in
+the same section.
 
 ``--dry-run`` runs every piece on a CPU at toy sizes (M1, eager variants; fp16 and
 CUDA-graph rows noted as not run; the compile part at 1 layer with ``aot_eager``, once),
@@ -407,15 +408,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.float8:
         from benchmarks import float8
 
-        f8 = float8.parse(["--dry-run", "--steps", "2", "--warmup", "1"] if args.dry_run else [])
-        saved["float8"] = {"date": str(datetime.date.today()), "rows": float8.run(f8)}
-        saved.setdefault("torch", torch.__version__)
-        saved.setdefault("device", device)
-        saved.setdefault(
-            "device_name", torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
-        )
-        results.parent.mkdir(parents=True, exist_ok=True)
-        results.write_text(json.dumps(saved, indent=1))
+        # One model at a time, saved after each (a lend may end between them); a model
+        # measured without an error is not run again: run the command again to go on.
+        f8 = saved.setdefault("float8", {"date": str(datetime.date.today()), "rows": []})
+        failed = {r["model"] for r in f8["rows"] if "error" in r}
+        done_models = {r["model"] for r in f8["rows"]} - failed
+        for model in ["toy"] if args.dry_run else list(float8.SIZES):
+            size = float8.TOY if args.dry_run else float8.SIZES[model]
+            if size.title in done_models:
+                continue
+            argv = ["--dry-run", "--steps", "2", "--warmup", "1"] if args.dry_run else []
+            rows = float8.run(float8.parse([*argv, "--models", "124m" if args.dry_run else model]))
+            f8["rows"] = [r for r in f8["rows"] if r["model"] != size.title] + rows
+            f8["date"] = str(datetime.date.today())
+            saved.setdefault("torch", torch.__version__)
+            saved.setdefault("device", device)
+            saved.setdefault(
+                "device_name", torch.cuda.get_device_name(0) if device == "cuda" else "CPU"
+            )
+            results.parent.mkdir(parents=True, exist_ok=True)
+            results.write_text(json.dumps(saved, indent=1))
     elif part is None:
         print("every part is done; the section is rewritten from the saved results")
     else:
