@@ -23,7 +23,7 @@ from tolerance import EXACT
 from torch import nn
 
 import fasttorch
-from fasttorch import optim
+from fasttorch import checkpoint, optim
 from fasttorch.optim import lowbit
 
 ao = pytest.importorskip("torchao.optim")
@@ -200,3 +200,74 @@ def test_lr_is_a_tensor_in_the_state() -> None:
     new = optim.set_hyperparams(state, lr=0.25)
     assert float(opt.learning_rate(new, torch.tensor(0))) == 0.25
     assert isinstance(lowbit.from_torchao(ao.Adam4bit), lowbit.TorchaoOptimizer)
+
+
+def _make_state(name: str) -> fasttorch.TrainState:
+    return fasttorch.TrainState.create(_model(), optim.from_torchao(getattr(ao, name), LR))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_checkpoint_resumes_bit_for_bit(tmp_path: Any, inplace: bool) -> None:
+    """Saved after 2 steps, loaded into a fresh template, 2 more steps: the same
+    parameters and quantized states (codes, scales) as 4 steps without the save."""
+    batches = _batches() + _batches()[:1]
+    step = fasttorch.step(_loss)
+    with torch.compiler.set_stance("force_eager"):
+        state = _make_state("AdamW4bit")
+        for b in batches[:2]:
+            state, _ = step(state, b)
+        path = checkpoint.save(tmp_path, state)
+        for b in batches[2:]:
+            state, _ = step(state, b)
+        loaded, _ = checkpoint.load(path, _make_state("AdamW4bit"), inplace=inplace)
+        for b in batches[2:]:
+            loaded, _ = step(loaded, b)
+    ours, theirs = _leaves(loaded), _leaves(state)
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        torch.testing.assert_close(ours[k], theirs[k], **EXACT, msg=k)
+    manifest = checkpoint.verify(path)
+    assert manifest["entries"]["opt_state/slots/exp_avg/0.weight/codes"] == {
+        "shape": [64 * 64 // 2],  # two 4-bit codes a byte, flat
+        "dtype": "uint8",
+    }
+
+
+def _leaves(state: fasttorch.TrainState) -> dict[str, torch.Tensor]:
+    """Every leaf, a quantized state by its inner tensors."""
+    out = {}
+    for path, t in torch.utils._pytree.tree_flatten_with_path(state)[0]:
+        key = torch.utils._pytree.keystr(path)
+        if hasattr(t, "__tensor_flatten__"):
+            for name in t.__tensor_flatten__()[0]:
+                out[f"{key}.{name}"] = getattr(t, name)
+        else:
+            out[key] = t
+    return out
+
+
+def test_checkpoint_refuses_another_optimizer(tmp_path: Any) -> None:
+    state = _make_state("AdamW8bit")
+    path = checkpoint.save(tmp_path, state)
+    with pytest.raises(checkpoint.CheckpointMismatchError, match=r"TorchaoOptimizer\(AdamW8bit\)"):
+        checkpoint.load(path, fasttorch.TrainState.create(_model(), optim.adamw(LR)))
+    with pytest.raises(checkpoint.CheckpointMismatchError, match="exp_avg/0.weight"):
+        checkpoint.load(path, _make_state("AdamW4bit"))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_sharded_quantized_states_are_refused_by_checkpoints(tmp_path: Any) -> None:
+    """On 2 gloo ranks (FSDP2): the states are quantized per local shard, and a
+    checkpoint refuses them, on every rank, before writing anything: their layout
+    depends on the number of ranks (tests/lowbit_worker.py)."""
+    from dist_kit import spawn_group
+    from lowbit_worker import run
+
+    results = spawn_group(run, 2, tmp_path, deadline_s=300)
+    for r, res in enumerate(results):
+        got = res["refusals"]
+        assert "exception" not in got, f"rank {r}:\n{got['exception']}"
+        assert got["kind"] == "OptimState8bit"
+        for api in ("save", "load"):
+            assert got[api] is not None and "cannot reshard" in got[api], (r, api, got[api])
+        assert got["nothing_written"]
