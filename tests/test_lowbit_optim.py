@@ -271,3 +271,43 @@ def test_sharded_quantized_states_are_refused_by_checkpoints(tmp_path: Any) -> N
         for api in ("save", "load"):
             assert got[api] is not None and "cannot reshard" in got[api], (r, api, got[api])
         assert got["nothing_written"]
+
+
+def test_cpu_offload_is_refused_on_a_cpu_as_torchao_refuses_it() -> None:
+    opt = optim.cpu_offload(torch.optim.AdamW, LR)
+    with pytest.raises(ValueError, match="cpu_offload: the parameters are on 'cpu'"):
+        fasttorch.TrainState.create(_model(), opt)
+    if not torch.cuda.is_available():  # torchao's own class, on this machine
+        with pytest.raises(AssertionError, match="only supports CUDA & XPU"):
+            ao.CPUOffloadOptimizer(_model().parameters(), torch.optim.AdamW, lr=LR)
+    with pytest.raises(RuntimeError, match="cannot run in a compiled step"):
+        opt.check_compilable()
+
+
+@pytest.mark.gpu
+def test_cpu_offload_equals_torchao_on_cuda() -> None:
+    """On CUDA: torchao's CPUOffloadOptimizer loop and fasttorch's step, the large
+    weights stepped by torch's fused CPU AdamW in host memory on both sides, the biases
+    (fewer than 4096 values) by the fused CUDA AdamW on the device: the same kernels on
+    the same numbers, EXACT. The lr is a float32 value on both sides, so the Python
+    float torchao's loop passes and the float32 tensor fasttorch passes to the CUDA
+    kernel hold the same number."""
+    lr = float(torch.tensor(LR))
+    model = _model().cuda()
+    ref = copy.deepcopy(model)
+    opt = ao.CPUOffloadOptimizer(ref.parameters(), torch.optim.AdamW, lr=lr)
+    batches = [tuple(t.cuda() for t in b) for b in _batches()]
+    for batch in batches:
+        _loss(ref, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    state = fasttorch.TrainState.create(
+        copy.deepcopy(model), optim.cpu_offload(torch.optim.AdamW, lr)
+    )
+    assert state.opt_state.slots["exp_avg"]["0.weight"].device.type == "cpu"
+    assert state.opt_state.slots["exp_avg"]["0.bias"].device.type == "cuda"
+    step = fasttorch.step(_loss)
+    for batch in batches:
+        state, _ = step(state, batch)
+    for (n, p), q in zip(state.params.items(), ref.parameters()):
+        torch.testing.assert_close(p, q.detach(), **EXACT, msg=n)

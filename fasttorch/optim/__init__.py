@@ -6,7 +6,8 @@ they change. Updates use torch's ``_foreach_*`` kernels and never modify their i
 :func:`from_torch` runs the gradient-only ``torch.optim`` algorithms through torch's own
 functional kernels; :func:`groups` gives groups of parameters their own
 hyperparameters; :func:`from_torchao` runs torchao's low-bit Adam/AdamW (8-bit, 4-bit,
-float8 states) and :func:`state_bytes` counts a state's bytes; docs/optimizers.md
+float8 states), :func:`cpu_offload` keeps a GPU model's optimizer state in host memory,
+and :func:`state_bytes` counts a state's bytes; docs/optimizers.md
 shows how to write a new optimizer.
 """
 
@@ -15,6 +16,7 @@ from fasttorch.optim.adam import Adam, adam, adamw
 from fasttorch.optim.every import Every, every
 from fasttorch.optim.groups import Groups, GroupsState, groups
 from fasttorch.optim.lowbit import TorchaoOptimizer, from_torchao, state_bytes
+from fasttorch.optim.offload import CpuOffload, cpu_offload
 from fasttorch.optim.selectors import (
     EMBEDDINGS,
     NORMALIZATION,
@@ -32,6 +34,7 @@ __all__ = [
     "NORMALIZATION",
     "SGD",
     "Adam",
+    "CpuOffload",
     "Every",
     "Groups",
     "GroupsState",
@@ -44,6 +47,7 @@ __all__ = [
     "TorchaoOptimizer",
     "adam",
     "adamw",
+    "cpu_offload",
     "every",
     "from_torch",
     "from_torchao",

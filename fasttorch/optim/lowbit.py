@@ -238,10 +238,11 @@ def _torchao_optim() -> Any:
         ) from e
 
 
-def state_bytes(opt_state: OptState) -> int:
-    """Bytes held by the per-parameter slots of ``opt_state``: each tensor's storage,
-    a tensor subclass counted by its inner tensors (8-bit codes, block scales, the
-    quantization map), not by the dtype it shows.
+def state_bytes(opt_state: OptState | Mapping[Any, Any]) -> int:
+    """Bytes held by the per-parameter slots of ``opt_state`` (or by every tensor of a
+    ``torch.optim`` optimizer's ``opt.state``): each tensor's elements, a tensor
+    subclass counted by its inner tensors (8-bit codes, block scales, the quantization
+    map), not by the dtype it shows.
 
     Example:
         >>> import torch
@@ -249,8 +250,15 @@ def state_bytes(opt_state: OptState) -> int:
         >>> state = optim.adamw(1e-3).init({"w": torch.zeros(1000)})
         >>> state_bytes(state)  # two float32 moments: 8 bytes per parameter
         8000
+        >>> w = torch.nn.Parameter(torch.zeros(1000))
+        >>> opt = torch.optim.AdamW([w])
+        >>> w.grad = torch.ones(1000); opt.step()
+        >>> state_bytes(opt.state)  # the same two moments, and a float32 step count
+        8004
     """
-    return sum(_bytes(t) for slot in opt_state.slots.values() for t in slot.values())
+    tree: Any = opt_state.slots if isinstance(opt_state, OptState) else dict(opt_state)
+    leaves = torch.utils._pytree.tree_leaves(tree)
+    return sum(_bytes(t) for t in leaves if isinstance(t, Tensor))
 
 
 def _bytes(t: Tensor) -> int:
