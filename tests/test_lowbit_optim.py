@@ -311,3 +311,33 @@ def test_cpu_offload_equals_torchao_on_cuda() -> None:
         state, _ = step(state, batch)
     for (n, p), q in zip(state.params.items(), ref.parameters()):
         torch.testing.assert_close(p, q.detach(), **EXACT, msg=n)
+
+
+def test_memory_benchmark_runs_at_a_tiny_size(tmp_path: Any) -> None:
+    """``python -m benchmarks.memory --tiny --write``: each option once, the table written;
+    the counted state bytes: fp32 AdamW 8 per parameter, the low-bit ones fewer."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "memory.md"
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.memory", "--tiny", "--write", str(out)],
+        cwd=root,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    rows = {
+        line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:]
+        for line in out.read_text().splitlines()
+        if line.startswith("| ") and not line.startswith("| ---")
+    }
+    assert float(rows["fp32, AdamW"][0]) == 8.0
+    assert (
+        float(rows["bf16, AdamW8bit"][0]) < 3
+        and float(rows["fp32, AdamW4bit, selective AC"][0]) < 2
+    )
+    assert "bf16, AdamW, selective AC" in rows
+    assert "float8 (tensorwise, emulated)" in rows
