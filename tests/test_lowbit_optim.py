@@ -14,6 +14,7 @@ block scales) are compared bit for bit as well.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -341,3 +342,62 @@ def test_memory_benchmark_runs_at_a_tiny_size(tmp_path: Any) -> None:
     )
     assert "bf16, AdamW, selective AC" in rows
     assert "float8 (tensorwise, emulated)" in rows
+
+
+class _WithUnused(nn.Module):
+    """The test model and a layer the loss never reaches (torch and torchao skip it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+        self.unused = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_composes_with_skip_nonfinite_accumulation_and_unused_parameters(
+    compiled: bool,
+) -> None:
+    """``skip_nonfinite(grad_accumulate(step, 2))`` on a model with an unused layer;
+    the second window holds a NaN. torchao's loop: the loss halved per microbatch,
+    ``backward`` twice, and no ``step()`` for the NaN window; the unused layer gets no
+    gradient, so torchao never steps (nor creates a state for) it. Both sides run the
+    same ops (powers-of-two weights, torchao's kernel eagerly or traced with
+    ``aot_eager``): EXACT. A skipped window keeps the quantized states (their codes
+    and scales are selected, not requantized)."""
+    torch.manual_seed(0)
+    model = _WithUnused()
+    windows = [_batches()[:2], _batches()[1:], _batches()[::2]]
+    windows[1] = [(windows[1][0][0] * float("nan"), windows[1][0][1]), windows[1][1]]
+    with torch.compiler.set_stance("force_eager"):
+        ref = copy.deepcopy(model)
+        opt = ao.AdamW8bit(ref.parameters(), lr=LR)
+        for w, window in enumerate(windows):
+            for batch in window:
+                (_loss(ref, batch) / 2).backward()
+            if w != 1:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+    state = fasttorch.TrainState.create(copy.deepcopy(model), optim.from_torchao(ao.AdamW8bit, LR))
+    step = fasttorch.skip_nonfinite(fasttorch.grad_accumulate(fasttorch.step(_loss), 2))
+    state = step.init(state)
+    if compiled:
+        step = fasttorch.compiled(step, backend="aot_eager")
+    with contextlib.nullcontext() if compiled else torch.compiler.set_stance("force_eager"):
+        for window in windows:
+            x = torch.cat([b[0] for b in window])
+            y = torch.cat([b[1] for b in window])
+            state, _ = step(state, (x, y))
+    used = {k: v for k, v in state.params.items() if not k.startswith("unused")}
+    assert torch.equal(state.params["unused.weight"], model.unused.weight)
+    assert float(state.opt_state.slots["step"]["unused.weight"]) == 0
+    ref_params = dict(ref.named_parameters())
+    for n, p in used.items():
+        torch.testing.assert_close(p, ref_params[n].detach(), **EXACT, msg=n)
+        theirs = opt.state[ref_params[n]]
+        torch.testing.assert_close(state.opt_state.slots["step"][n], theirs["step"], **EXACT)
+        a, b = state.opt_state.slots["exp_avg_sq"][n], theirs["exp_avg_sq"]
+        for inner in getattr(a, "tensor_attrs", ()):
+            assert torch.equal(getattr(a, inner), getattr(b, inner)), (n, inner)

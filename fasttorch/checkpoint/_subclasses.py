@@ -18,8 +18,13 @@ import torch.utils._pytree as pytree
 
 
 def is_subclass(t: Any) -> bool:
-    """Whether ``t`` is a tensor subclass that flattens into inner tensors."""
-    return isinstance(t, torch.Tensor) and hasattr(type(t), "__tensor_flatten__")
+    """Whether ``t`` is a tensor subclass that flattens into inner tensors (a
+    ``DTensor``, which DCP saves itself, is not one of them)."""
+    return (
+        isinstance(t, torch.Tensor)
+        and hasattr(type(t), "__tensor_flatten__")
+        and type(t).__name__ != "DTensor"
+    )
 
 
 def expand(keys: list[str], leaves: list[Any]) -> tuple[list[str], list[Any]]:

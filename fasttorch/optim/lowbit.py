@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from fasttorch import _compat
+from fasttorch.optim import _inner
 from fasttorch.optim._base import LearningRate, OptState, check_lr, params_device
 from fasttorch.optim._base import scheduled_or_fixed_lr as _lr_at
 
@@ -86,7 +87,7 @@ class TorchaoOptimizer:
         cls: Any = self.cls
         built = cls([torch.zeros(2, requires_grad=True)], lr=lr0, **options)
         object.__setattr__(self, "_built", built)
-        _check_layout(name, built._new_buffer(torch.zeros(4096), True))
+        _inner.check_layout(f"from_torchao({name})", built._new_buffer(torch.zeros(4096), True))
         adam = importlib.import_module(f"{_MODULE}.adam")  # outside any step: not traced
         object.__setattr__(self, "_kernel", adam.single_param_adam)
 
@@ -159,7 +160,7 @@ class TorchaoOptimizer:
         )
 
         def own(t: Tensor) -> Tensor:
-            return t if inplace else _clone(t)
+            return t if inplace else _inner.clone(t)
 
         with torch.no_grad():
             lr = self.learning_rate(opt_state, step)
@@ -187,45 +188,6 @@ class TorchaoOptimizer:
                     )
                     out[n] = p
         return out, opt_state.replace(count=count, slots=slots)
-
-
-def _clone(t: Tensor) -> Tensor:
-    """A copy of ``t``; of a torchao state, the same subclass over copies of its inner
-    tensors, rebuilt by its own ``__tensor_unflatten__`` (torchao's states have no
-    ``clone``)."""
-    cls = type(t)
-    if not hasattr(cls, "__tensor_flatten__"):
-        return t.clone()
-    if torch.compiler.is_compiling():
-        # dynamo does not trace __tensor_flatten__ (it returns names, not tensors); the
-        # same names and context, read from the attributes (checked in _check_layout).
-        names, ctx = cls.tensor_attrs, _CONTEXT[cls.__name__](t)  # type: ignore[attr-defined]
-    else:
-        names, ctx = t.__tensor_flatten__()  # type: ignore[attr-defined]
-    inner = {k: _clone(getattr(t, k)) for k in names}
-    return cls.__tensor_unflatten__(inner, ctx, t.shape, t.stride())  # type: ignore[attr-defined, no-any-return]
-
-
-# Each torchao state's __tensor_flatten__ context, from its attributes (torchao 0.18).
-_CONTEXT: dict[str, Callable[[Any], list[Any]]] = {
-    "OptimState8bit": lambda t: [t.signed, t.dtype],
-    "OptimState4bit": lambda t: [t.signed, t._shape, t.dtype],
-    "OptimStateFp8": lambda t: [t.dtype],
-}
-
-
-def _check_layout(name: str, state: Tensor) -> None:
-    """Raise unless ``_CONTEXT`` reads ``state``'s flatten context as torchao gives it."""
-    cls = type(state)
-    read = _CONTEXT.get(cls.__name__)
-    given = state.__tensor_flatten__()  # type: ignore[attr-defined]
-    if read is None or list(given[0]) != list(cls.tensor_attrs) or read(state) != list(given[1]):  # type: ignore[attr-defined]
-        raise TypeError(
-            f"from_torchao({name}): this torchao release keeps its state as "
-            f"{cls.__name__} with fields {given[0]} and context {given[1]}, which "
-            "fasttorch does not know (written for torchao 0.18). Use the torchao "
-            "release fasttorch supports (pip install 'fasttorch[ao]')."
-        )
 
 
 def _torchao_optim() -> Any:
