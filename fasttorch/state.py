@@ -401,12 +401,13 @@ def commit(donate: bool, old: Any, new: Any) -> Any:
     src: list[torch.Tensor] = []
     compiling = torch.compiler.is_compiling()
     out = _reuse(old, new, dst, src, compiling)
-    dst, src = _copy_subclasses(dst, src)
     if len(dst) > 0 and compiling:  # the compiler makes its own kernels for the copies
-        torch._foreach_copy_(dst, src)
+        dst, src = _copy_subclasses(dst, src)
+        if len(dst) > 0:
+            torch._foreach_copy_(dst, src)
     elif len(dst) > 0:
         _scope.begin()  # a failure from here on leaves the donated state part-written
-        _copy_by_dtype(dst, src)
+        _copy_by_dtype(*_copy_subclasses(dst, src))
     return out
 
 
@@ -416,14 +417,20 @@ def _copy_subclasses(
     """Copy the tensor subclasses among the pairs (torchao's quantized optimizer states:
     ``copy_`` copies their inner tensors; they have no ``_foreach_copy_``) one by one,
     and return the plain pairs left."""
-    pairs = list(zip(dst, src))
-    if all(type(d) in (torch.Tensor, nn.Parameter) for d in dst):
+    subclass = [_is_state_subclass(d) for d in dst]
+    if not any(subclass):
         return dst, src
-    for d, s in pairs:
-        if type(d) not in (torch.Tensor, nn.Parameter):
+    for d, s, sub in zip(dst, src, subclass):
+        if sub:
             d.copy_(s)
-    plain = [(d, s) for d, s in pairs if type(d) in (torch.Tensor, nn.Parameter)]
+    plain = [(d, s) for d, s, sub in zip(dst, src, subclass) if not sub]
     return [d for d, _ in plain], [s for _, s in plain]
+
+
+def _is_state_subclass(t: torch.Tensor) -> bool:
+    """A tensor subclass over inner tensors (not a ``DTensor``: it has ``_foreach_copy_``)."""
+    cls = type(t)
+    return hasattr(cls, "__tensor_flatten__") and cls.__name__ != "DTensor"
 
 
 def _copy_by_dtype(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
