@@ -21,6 +21,7 @@ from fasttorch._module import local_tensor as local_tensor
 from fasttorch._module import reshard as reshard
 from fasttorch._module import training_modes as training_modes
 from fasttorch._rng import default_seed, initial_rng_state
+from fasttorch._subclass_copy import copy_subclasses
 from fasttorch.substates import any_declares
 
 if TYPE_CHECKING:
@@ -402,35 +403,13 @@ def commit(donate: bool, old: Any, new: Any) -> Any:
     compiling = torch.compiler.is_compiling()
     out = _reuse(old, new, dst, src, compiling)
     if len(dst) > 0 and compiling:  # the compiler makes its own kernels for the copies
-        dst, src = _copy_subclasses(dst, src)
+        dst, src = copy_subclasses(dst, src)
         if len(dst) > 0:
             torch._foreach_copy_(dst, src)
     elif len(dst) > 0:
         _scope.begin()  # a failure from here on leaves the donated state part-written
-        _copy_by_dtype(*_copy_subclasses(dst, src))
+        _copy_by_dtype(*copy_subclasses(dst, src))
     return out
-
-
-def _copy_subclasses(
-    dst: list[torch.Tensor], src: list[torch.Tensor]
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Copy the tensor subclasses among the pairs (torchao's quantized optimizer states:
-    ``copy_`` copies their inner tensors; they have no ``_foreach_copy_``) one by one,
-    and return the plain pairs left."""
-    subclass = [_is_state_subclass(d) for d in dst]
-    if not any(subclass):
-        return dst, src
-    for d, s, sub in zip(dst, src, subclass):
-        if sub:
-            d.copy_(s)
-    plain = [(d, s) for d, s, sub in zip(dst, src, subclass) if not sub]
-    return [d for d, _ in plain], [s for _, s in plain]
-
-
-def _is_state_subclass(t: torch.Tensor) -> bool:
-    """A tensor subclass over inner tensors (not a ``DTensor``: it has ``_foreach_copy_``)."""
-    cls = type(t)
-    return hasattr(cls, "__tensor_flatten__") and cls.__name__ != "DTensor"
 
 
 def _copy_by_dtype(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
