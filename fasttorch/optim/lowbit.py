@@ -105,22 +105,17 @@ class TorchaoOptimizer:
 
     def init(self, params: Mapping[str, Tensor]) -> OptState:
         """torchao's fresh states: ``step`` (a float32 0-d tensor per parameter, as
-        torchao keeps it), ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with
-        amsgrad) made by torchao: a quantized subclass for a tensor of at least 4096
-        values whose count is a multiple of the block size, plain zeros otherwise.
-        ``lr`` is a float32 0-d tensor, as torchao holds it."""
+        torchao keeps it), ``exp_avg`` and ``exp_avg_sq`` made by torchao: a quantized
+        subclass for a tensor of at least 4096 values whose count is a multiple of the
+        block size, plain zeros otherwise. ``lr`` is a float32 0-d tensor, as torchao
+        holds it."""
         device = params_device(params)
-        amsgrad = bool(self.group["amsgrad"])
         slots: dict[str, dict[str, Tensor]] = {"step": {}, "exp_avg": {}, "exp_avg_sq": {}}
-        if amsgrad:
-            slots["max_exp_avg_sq"] = {}
         for n, p in params.items():
             local = p.detach()
             slots["step"][n] = torch.zeros((), dtype=torch.float32, device=local.device)
             slots["exp_avg"][n] = self._built._new_buffer(local, True)
             slots["exp_avg_sq"][n] = self._built._new_buffer(local, False)
-            if amsgrad:
-                slots["max_exp_avg_sq"][n] = self._built._new_buffer(local, False)
         hyper = (
             {}
             if callable(self.lr)
@@ -177,7 +172,7 @@ class TorchaoOptimizer:
                         slots["step"][n],
                         slots["exp_avg"][n],
                         slots["exp_avg_sq"][n],
-                        slots["max_exp_avg_sq"][n] if "max_exp_avg_sq" in slots else None,
+                        None,  # max_exp_avg_sq: amsgrad is refused
                         lr,
                         beta1,
                         beta2,
