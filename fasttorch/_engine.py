@@ -33,6 +33,7 @@ from fasttorch import _compat, _scope
 from fasttorch._module import is_sharded
 from fasttorch._reached import backward_leaves, check_reached
 from fasttorch._tree import constant, reciprocal, scale_grads
+from fasttorch.optim import _inner
 from fasttorch.optim._base import Optimizer, OptState, update_used
 
 __all__ = [
@@ -372,7 +373,7 @@ def apply_optimizer(
     return pytree.tree_map(  # type: ignore[no-any-return]
         # A tensor the update returned as it was (a hyperparameter) is kept, not
         # copied: the fused GPU kernels know it by identity (no host read).
-        lambda old, new: new if new is old else torch.where(keep, old, new),
+        lambda old, new: new if new is old else _inner.where(keep, old, new),
         (params, opt_state),
         new,
     )

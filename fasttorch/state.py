@@ -21,6 +21,7 @@ from fasttorch._module import local_tensor as local_tensor
 from fasttorch._module import reshard as reshard
 from fasttorch._module import training_modes as training_modes
 from fasttorch._rng import default_seed, initial_rng_state
+from fasttorch._subclass_copy import copy_subclasses
 from fasttorch.substates import any_declares
 
 if TYPE_CHECKING:
@@ -402,10 +403,12 @@ def commit(donate: bool, old: Any, new: Any) -> Any:
     compiling = torch.compiler.is_compiling()
     out = _reuse(old, new, dst, src, compiling)
     if len(dst) > 0 and compiling:  # the compiler makes its own kernels for the copies
-        torch._foreach_copy_(dst, src)
+        dst, src = copy_subclasses(dst, src)
+        if len(dst) > 0:
+            torch._foreach_copy_(dst, src)
     elif len(dst) > 0:
         _scope.begin()  # a failure from here on leaves the donated state part-written
-        _copy_by_dtype(dst, src)
+        _copy_by_dtype(*copy_subclasses(dst, src))
     return out
 
 

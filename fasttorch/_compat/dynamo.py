@@ -358,3 +358,18 @@ def compile_settings() -> dict[str, Any]:
             plain = (bool, int, float, str, type(None))
             out[name] = {k: v for k, v in sorted(copy().items()) if isinstance(v, plain)}
     return out
+
+
+def no_recompile_limit() -> contextlib.AbstractContextManager[Any]:
+    """Dynamo's recompile limit lifted while a per-tensor kernel compiles for each shape.
+
+    Why: torchao's low-bit optimizers compile one kernel (``single_param_adam``) per
+    parameter shape and dtype, and lift the limit the same way in their ``step()``
+    (``torchao/optim/adam.py``), through ``torch._dynamo.utils.disable_cache_limit``;
+    ``fasttorch.optim.from_torchao`` runs the same kernel eagerly. Without the context
+    manager (a torch that lacks it), a model with more shapes than the limit runs the
+    rest of its kernels eagerly: same values, slower.
+    """
+    utils = getattr(torch._dynamo, "utils", None)
+    disable = getattr(utils, "disable_cache_limit", None)
+    return disable() if disable is not None else contextlib.nullcontext()  # type: ignore[no-any-return]

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any, overload
 
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.tensor import DTensor
 
@@ -41,6 +40,7 @@ from fasttorch.checkpoint._read import (
     _reader,
     _unsafe,
 )
+from fasttorch.checkpoint._subclasses import Spec
 from fasttorch.distributed.fsdp import as_dtensor
 from fasttorch.models import Models
 from fasttorch.state import TrainState, check_alive, is_sharded, mark_donated
@@ -337,7 +337,7 @@ def _place(
     template: TrainState,
     keys: list[str],
     leaves: list[Any],
-    spec: Any,
+    spec: Spec,
     scratch: dict[str, torch.Tensor],
     statics: dict[str, Any],
     *,
@@ -352,7 +352,7 @@ def _place(
         targets = leaves
     else:
         targets = [scratch[k] if k in scratch else t.detach().clone() for k, t in zip(keys, leaves)]
-    state: TrainState = pytree.tree_unflatten(targets, spec)
+    state: TrainState = spec.unflatten(targets)
     state = _restore_statics(state, "", statics)
     if inplace:
         mark_donated(template, "checkpoint.load(..., inplace=True)")

@@ -5,13 +5,18 @@ pytree whose hyperparameters are 0-d tensors, so a compiled step never recompile
 they change. Updates use torch's ``_foreach_*`` kernels and never modify their inputs.
 :func:`from_torch` runs the gradient-only ``torch.optim`` algorithms through torch's own
 functional kernels; :func:`groups` gives groups of parameters their own
-hyperparameters; docs/optimizers.md shows how to write a new optimizer.
+hyperparameters; :func:`from_torchao` runs torchao's low-bit Adam/AdamW (8-bit, 4-bit,
+float8 states), :func:`cpu_offload` keeps a GPU model's optimizer state in host memory,
+and :func:`state_bytes` counts a state's bytes; docs/optimizers.md
+shows how to write a new optimizer.
 """
 
 from fasttorch.optim._base import LearningRate, Optimizer, OptState, set_hyperparams
 from fasttorch.optim.adam import Adam, adam, adamw
 from fasttorch.optim.every import Every, every
 from fasttorch.optim.groups import Groups, GroupsState, groups
+from fasttorch.optim.lowbit import TorchaoOptimizer, from_torchao, state_bytes
+from fasttorch.optim.offload import CpuOffload, cpu_offload
 from fasttorch.optim.selectors import (
     EMBEDDINGS,
     NORMALIZATION,
@@ -29,6 +34,7 @@ __all__ = [
     "NORMALIZATION",
     "SGD",
     "Adam",
+    "CpuOffload",
     "Every",
     "Groups",
     "GroupsState",
@@ -38,15 +44,19 @@ __all__ = [
     "Optimizer",
     "Selector",
     "TorchOptimizer",
+    "TorchaoOptimizer",
     "adam",
     "adamw",
+    "cpu_offload",
     "every",
     "from_torch",
+    "from_torchao",
     "groups",
     "in_module",
     "is_bias",
     "load_torch_state_dict",
     "set_hyperparams",
     "sgd",
+    "state_bytes",
     "with_module",
 ]

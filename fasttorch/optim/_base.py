@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from fasttorch import _checks, struct
-from fasttorch.optim import _fused
+from fasttorch.optim import _fused, _inner
 from fasttorch.schedules import Schedule
 
 __all__ = ["LearningRate", "OptState", "Optimizer", "set_hyperparams", "update_used"]
@@ -359,7 +359,7 @@ def update_used(
         return _update_skipping(opt, params, grads, opt_state, step, unused, inplace)
 
     def before(t: Tensor) -> Tensor:  # an in-place update overwrites the old value
-        return t.clone() if inplace else t
+        return _inner.clone(t) if inplace else t
 
     old_p = {n: before(params[n]) for n in maybe}
     old_s = {k: {n: before(v[n]) for n in maybe if n in v} for k, v in opt_state.slots.items()}
@@ -368,7 +368,7 @@ def update_used(
     )
 
     def pick(flag: Tensor, new: Tensor, old: Tensor) -> Tensor:
-        chosen = torch.where(flag, new, old)
+        chosen = _inner.where(flag, new, old)  # a quantized state: its codes
         return new.copy_(chosen) if inplace else chosen
 
     for n, flag in maybe.items():
@@ -402,7 +402,7 @@ def _update_skipping(
     )
 
     def kept(t: Tensor) -> Tensor:
-        return t if inplace else t.clone()
+        return t if inplace else _inner.clone(t)
 
     out = {n: new_p[n] if n in new_p else kept(params[n]) for n in params}
     slots = {

@@ -30,6 +30,7 @@ from fasttorch.optim._base import (
 )
 from fasttorch.optim._torch_algorithms import ALGORITHMS, REFUSED, Algorithm
 from fasttorch.optim._torch_state_dict import load_torch_state_dict
+from fasttorch.optim.lowbit import TorchaoOptimizer, from_torchao, is_torchao_optimizer
 
 __all__ = ["TorchOptimizer", "from_torch", "load_torch_state_dict"]
 
@@ -321,7 +322,7 @@ _SWITCHES = {
 
 def from_torch(
     cls: type[torch.optim.Optimizer], lr: LearningRate | Tensor | None = None, **hyperparams: Any
-) -> TorchOptimizer:
+) -> TorchOptimizer | TorchaoOptimizer:
     """A ``torch.optim`` algorithm as a pure fasttorch optimizer, run by torch's kernels.
 
     Covered: Adam, AdamW, SGD, RMSprop, Adagrad, Adadelta, Adamax, NAdam, RAdam, ASGD,
@@ -378,8 +379,13 @@ def from_torch(
             ``foreach``, ``fused``, ...); ``capturable`` and ``differentiable`` only as
             False.
 
+    A class of ``torchao.optim`` (``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8``, ...) is
+    handed to :func:`~fasttorch.optim.lowbit.from_torchao`, which runs torchao's own
+    kernel over its quantized states.
+
     Returns:
-        A :class:`TorchOptimizer`.
+        A :class:`TorchOptimizer` (a :class:`~fasttorch.optim.lowbit.TorchaoOptimizer`
+        for a torchao class).
 
     Raises:
         ValueError: for LBFGS (needs a closure) and SparseAdam (sparse gradients), for
@@ -405,6 +411,10 @@ def from_torch(
         raise TypeError(
             f"from_torch expects a torch.optim class such as torch.optim.AdamW, got {cls!r}"
         )
+    if is_torchao_optimizer(cls):  # torchao's low-bit Adam/AdamW: fasttorch.optim.lowbit
+        if isinstance(lr, Tensor):
+            raise TypeError(f"from_torch({cls.__name__}): pass lr as a float or a schedule")
+        return from_torchao(cls, lr, **hyperparams)
     if lr is None:  # LBFGS and SparseAdam are refused before lr matters
         lr = _default_lr(cls) if cls.__name__ in ALGORITHMS else 1e-3
     return TorchOptimizer(cls, lr, _options(hyperparams))

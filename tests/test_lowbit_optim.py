@@ -1,0 +1,405 @@
+"""torchao's low-bit optimizers in a fasttorch step, against torchao's own loop.
+
+Tolerance rule. Each step is compared with torchao's loop on a deep copy of the model
+(``torchao.optim.X(model.parameters(), ...)``, ``loss.backward()``, ``step()``,
+``zero_grad()``) bit for bit (tests/tolerance.py's rule 1, ``EXACT``): fasttorch calls
+the same kernel (torchao's ``single_param_adam``) on the same numbers. Eagerly the
+kernel is compiled the way torchao compiles it (its default backend, the same cached
+code); under ``torch.compiler.set_stance("force_eager")`` both sides run it eagerly.
+In a compiled step (``backend="aot_eager"``) the kernel is traced into the step's
+graph and runs as eager ATen ops: its reference is torchao's loop under
+``set_stance("force_eager")``, the same ops again. The quantized states (codes and
+block scales) are compared bit for bit as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import pytest
+import torch
+from tolerance import EXACT
+from torch import nn
+
+import fasttorch
+from fasttorch import checkpoint, optim
+from fasttorch.optim import lowbit
+
+ao = pytest.importorskip("torchao.optim")
+
+STEPS = 3
+LR = 0.01
+ADAMW = ("AdamW8bit", "AdamW4bit", "AdamWFp8")
+ALL = (*ADAMW, "Adam8bit", "Adam4bit", "AdamFp8")
+
+
+def _model() -> nn.Module:
+    # (64, 64) weights: 4096 values, quantized by torchao; the biases stay float32.
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)) for _ in range(STEPS)
+    ]
+
+
+def _loss(apply: Any, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(apply(x), y)
+
+
+def _torchao_loop(model: nn.Module, name: str, **kw: Any) -> tuple[nn.Module, Any]:
+    ref = copy.deepcopy(model)
+    opt = getattr(ao, name)(ref.parameters(), lr=LR, **kw)
+    for batch in _batches():
+        _loss(ref, batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return ref, opt
+
+
+def _fasttorch(model: nn.Module, name: str, *, compiled: bool = False, **kw: Any) -> Any:
+    state = fasttorch.TrainState.create(
+        copy.deepcopy(model), optim.from_torch(getattr(ao, name), LR, **kw)
+    )
+    step = fasttorch.step(_loss)
+    if compiled:
+        step = fasttorch.compiled(step, backend="aot_eager")
+    for batch in _batches():
+        state, _ = step(state, batch)
+    return state
+
+
+def _assert_same(state: Any, ref: nn.Module, opt: Any) -> None:
+    quantized = [
+        n for n, t in state.opt_state.slots["exp_avg"].items() if type(t) is not torch.Tensor
+    ]
+    assert quantized == ["0.weight", "2.weight"]  # the (64, 64) weights
+    for (n, p), q in zip(state.params.items(), ref.parameters()):
+        torch.testing.assert_close(p, q.detach(), **EXACT, msg=n)
+        mine, theirs = state.opt_state.slots, opt.state[q]
+        torch.testing.assert_close(mine["step"][n], theirs["step"], **EXACT)
+        assert sorted(mine) == sorted(theirs) == ["exp_avg", "exp_avg_sq", "step"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = mine[key][n], theirs[key]
+            assert type(a) is type(b), (n, key, type(a), type(b))
+            for inner in a.__tensor_flatten__()[0] if hasattr(a, "__tensor_flatten__") else ():
+                assert torch.equal(getattr(a, inner), getattr(b, inner)), (n, key, inner)
+            if not hasattr(a, "__tensor_flatten__"):
+                torch.testing.assert_close(a, b, **EXACT)
+
+
+def test_eager_equals_torchao_compiled_kernel() -> None:
+    """torchao's default: its kernel compiled by inductor, here the same cached code."""
+    model = _model()
+    ref, opt = _torchao_loop(model, "AdamW8bit", weight_decay=0.1)
+    state = _fasttorch(model, "AdamW8bit", weight_decay=0.1)
+    assert type(state.opt_state.slots["exp_avg"]["0.weight"]).__name__ == "OptimState8bit"
+    _assert_same(state, ref, opt)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_eager_equals_torchao_loop(name: str) -> None:
+    model = _model()
+    kw = {"betas": (0.8, 0.9), "eps": 1e-6} if name == "AdamW4bit" else {}
+    with torch.compiler.set_stance("force_eager"):
+        ref, opt = _torchao_loop(model, name, **kw)
+        state = _fasttorch(model, name, **kw)
+    _assert_same(state, ref, opt)
+
+
+@pytest.mark.parametrize("name", ADAMW)
+def test_compiled_equals_torchao_loop(name: str) -> None:
+    model = _model()
+    with torch.compiler.set_stance("force_eager"):
+        ref, opt = _torchao_loop(model, name)
+    state = _fasttorch(model, name, compiled=True)
+    _assert_same(state, ref, opt)
+
+
+def test_not_donated_leaves_input_state() -> None:
+    model = _model()
+    state = fasttorch.TrainState.create(copy.deepcopy(model), optim.from_torchao(ao.AdamW8bit, LR))
+    codes = state.opt_state.slots["exp_avg"]["0.weight"].codes.clone()
+    step = fasttorch.step(_loss, donate=False)
+    with torch.compiler.set_stance("force_eager"):
+        new, _ = step(state, _batches()[0])
+    assert torch.equal(state.opt_state.slots["exp_avg"]["0.weight"].codes, codes)
+    assert not torch.equal(new.opt_state.slots["exp_avg"]["0.weight"].codes, codes)
+
+
+def test_state_bytes_per_parameter() -> None:
+    """fp32 AdamW: 8 bytes per parameter; 8-bit: 2 + block scales; 4-bit: 1 + scales.
+
+    A (1024, 1024) weight: every state quantized. Counted from the inner tensors: the
+    codes (1 byte per value; 4-bit: two per byte), one float32 scale per block (256
+    values; 128 for 4-bit) and torchao's quantization map (256 float32; 16 for 4-bit),
+    without the float32 step count torch and torchao keep per tensor.
+    """
+    n = 1024 * 1024
+    params = {"w": torch.zeros(1024, 1024)}
+
+    def per_param(opt: Any) -> float:
+        state = opt.init(params)
+        counts = sum(t.numel() * t.element_size() for t in state.slots.get("step", {}).values())
+        return (optim.state_bytes(state) - counts) / n
+
+    assert per_param(optim.from_torch(torch.optim.AdamW)) == 8.0
+    assert per_param(optim.adamw(1e-3)) == 8.0
+    eight = per_param(optim.from_torchao(ao.AdamW8bit))
+    assert eight == 2 * (1 + 4 / 256) + 2 * 256 * 4 / n
+    four = per_param(optim.from_torchao(ao.AdamW4bit))
+    assert four == 2 * (0.5 + 4 / 128) + 2 * 16 * 4 / n
+    fp8 = per_param(optim.from_torchao(ao.AdamWFp8))
+    assert fp8 == 2 * (1 + 4 / 256)
+
+
+def test_small_tensors_stay_float32() -> None:
+    opt = optim.from_torchao(ao.AdamW8bit)
+    state = opt.init(
+        {"small": torch.zeros(4095), "odd": torch.zeros(4097), "big": torch.zeros(4096)}
+    )
+    kinds = {n: type(t).__name__ for n, t in state.slots["exp_avg"].items()}
+    assert kinds == {"small": "Tensor", "odd": "Tensor", "big": "OptimState8bit"}
+
+
+def test_refusals() -> None:
+    with pytest.raises(ValueError, match="bf16_stochastic_round=True is not supported"):
+        optim.from_torchao(ao.AdamW8bit, bf16_stochastic_round=True)
+    with pytest.raises(TypeError, match="CPUOffloadOptimizer keeps hooks"):
+        optim.from_torchao(ao.CPUOffloadOptimizer)
+    with pytest.raises(TypeError, match="expected one of torchao.optim"):
+        optim.from_torchao(torch.optim.AdamW)
+    with pytest.raises(ValueError, match="Invalid beta"):
+        optim.from_torch(ao.AdamW8bit, betas=(1.5, 0.9))
+    with pytest.raises(ValueError, match="amsgrad=True is not supported"):
+        optim.from_torchao(ao.AdamW8bit, amsgrad=True)
+    with pytest.raises(ValueError, match="lr >= 0"):
+        optim.from_torchao(ao.AdamW4bit, -1.0)
+
+
+def test_torchao_amsgrad_fails_on_its_own_states() -> None:
+    """Why amsgrad is refused: torchao's own step cannot take it with quantized states
+    (when torchao fixes this, this test fails and the refusal can go)."""
+    w = nn.Parameter(torch.ones(64, 64))
+    opt = ao.AdamW8bit([w], amsgrad=True)
+    w.grad = torch.ones(64, 64)
+    with (
+        torch.compiler.set_stance("force_eager"),
+        pytest.raises(NotImplementedError, match="maximum"),
+    ):
+        opt.step()
+
+
+def test_lr_is_a_tensor_in_the_state() -> None:
+    opt = optim.from_torchao(ao.AdamW8bit, 0.5)
+    state = opt.init({"w": torch.zeros(3)})
+    assert state.hyper["lr"].dtype == torch.float32 and state.hyper["lr"].ndim == 0
+    new = optim.set_hyperparams(state, lr=0.25)
+    assert float(opt.learning_rate(new, torch.tensor(0))) == 0.25
+    assert isinstance(lowbit.from_torchao(ao.Adam4bit), lowbit.TorchaoOptimizer)
+
+
+def _make_state(name: str) -> fasttorch.TrainState:
+    return fasttorch.TrainState.create(_model(), optim.from_torchao(getattr(ao, name), LR))
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_checkpoint_resumes_bit_for_bit(tmp_path: Any, inplace: bool) -> None:
+    """Saved after 2 steps, loaded into a fresh template, 2 more steps: the same
+    parameters and quantized states (codes, scales) as 4 steps without the save."""
+    batches = _batches() + _batches()[:1]
+    step = fasttorch.step(_loss)
+    with torch.compiler.set_stance("force_eager"):
+        state = _make_state("AdamW4bit")
+        for b in batches[:2]:
+            state, _ = step(state, b)
+        path = checkpoint.save(tmp_path, state)
+        for b in batches[2:]:
+            state, _ = step(state, b)
+        loaded, _ = checkpoint.load(path, _make_state("AdamW4bit"), inplace=inplace)
+        for b in batches[2:]:
+            loaded, _ = step(loaded, b)
+    ours, theirs = _leaves(loaded), _leaves(state)
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        torch.testing.assert_close(ours[k], theirs[k], **EXACT, msg=k)
+    manifest = checkpoint.verify(path)
+    assert manifest["entries"]["opt_state/slots/exp_avg/0.weight/codes"] == {
+        "shape": [64 * 64 // 2],  # two 4-bit codes a byte, flat
+        "dtype": "uint8",
+    }
+
+
+def _leaves(state: fasttorch.TrainState) -> dict[str, torch.Tensor]:
+    """Every leaf, a quantized state by its inner tensors."""
+    out = {}
+    for path, t in torch.utils._pytree.tree_flatten_with_path(state)[0]:
+        key = torch.utils._pytree.keystr(path)
+        if hasattr(t, "__tensor_flatten__"):
+            for name in t.__tensor_flatten__()[0]:
+                out[f"{key}.{name}"] = getattr(t, name)
+        else:
+            out[key] = t
+    return out
+
+
+def test_checkpoint_refuses_another_optimizer(tmp_path: Any) -> None:
+    state = _make_state("AdamW8bit")
+    path = checkpoint.save(tmp_path, state)
+    with pytest.raises(checkpoint.CheckpointMismatchError, match=r"TorchaoOptimizer\(AdamW8bit\)"):
+        checkpoint.load(path, fasttorch.TrainState.create(_model(), optim.adamw(LR)))
+    with pytest.raises(checkpoint.CheckpointMismatchError, match="exp_avg/0.weight"):
+        checkpoint.load(path, _make_state("AdamW4bit"))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_sharded_quantized_states_are_refused_by_checkpoints(tmp_path: Any) -> None:
+    """On 2 gloo ranks (FSDP2): the states are quantized per local shard, and a
+    checkpoint refuses them, on every rank, before writing anything: their layout
+    depends on the number of ranks (tests/lowbit_worker.py)."""
+    from dist_kit import spawn_group
+    from lowbit_worker import run
+
+    results = spawn_group(run, 2, tmp_path, deadline_s=300)
+    for r, res in enumerate(results):
+        got = res["refusals"]
+        assert "exception" not in got, f"rank {r}:\n{got['exception']}"
+        assert got["kind"] == "OptimState8bit"
+        for api in ("save", "load"):
+            assert got[api] is not None and "cannot reshard" in got[api], (r, api, got[api])
+        assert got["nothing_written"]
+
+
+def test_cpu_offload_is_refused_on_a_cpu_as_torchao_refuses_it() -> None:
+    opt = optim.cpu_offload(torch.optim.AdamW, LR)
+    with pytest.raises(ValueError, match="cpu_offload: the parameters are on 'cpu'"):
+        fasttorch.TrainState.create(_model(), opt)
+    if not torch.cuda.is_available():  # torchao's own class, on this machine
+        with pytest.raises(AssertionError, match="only supports CUDA & XPU"):
+            ao.CPUOffloadOptimizer(_model().parameters(), torch.optim.AdamW, lr=LR)
+    with pytest.raises(RuntimeError, match="cannot run in a compiled step"):
+        opt.check_compilable()
+
+
+@pytest.mark.gpu
+def test_cpu_offload_equals_torchao_on_cuda() -> None:
+    """On CUDA: torchao's CPUOffloadOptimizer loop and fasttorch's step, the large
+    weights stepped by torch's fused CPU AdamW in host memory on both sides, the biases
+    (fewer than 4096 values) by the fused CUDA AdamW on the device: the same kernels on
+    the same numbers, EXACT. The lr is a float32 value on both sides, so the Python
+    float torchao's loop passes and the float32 tensor fasttorch passes to the CUDA
+    kernel hold the same number."""
+    lr = float(torch.tensor(LR))
+    model = _model().cuda()
+    ref = copy.deepcopy(model)
+    opt = ao.CPUOffloadOptimizer(ref.parameters(), torch.optim.AdamW, lr=lr)
+    batches = [tuple(t.cuda() for t in b) for b in _batches()]
+    for batch in batches:
+        _loss(ref, batch).backward()
+        opt.step()
+        opt.zero_grad()
+    state = fasttorch.TrainState.create(
+        copy.deepcopy(model), optim.cpu_offload(torch.optim.AdamW, lr)
+    )
+    assert state.opt_state.slots["exp_avg"]["0.weight"].device.type == "cpu"
+    assert state.opt_state.slots["exp_avg"]["0.bias"].device.type == "cuda"
+    step = fasttorch.step(_loss)
+    for batch in batches:
+        state, _ = step(state, batch)
+    for (n, p), q in zip(state.params.items(), ref.parameters()):
+        torch.testing.assert_close(p, q.detach(), **EXACT, msg=n)
+
+
+def test_memory_benchmark_runs_at_a_tiny_size(tmp_path: Any) -> None:
+    """``python -m benchmarks.memory --tiny --write``: each option once, the table written;
+    the counted state bytes: fp32 AdamW 8 per parameter, the low-bit ones fewer."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "memory.md"
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.memory", "--tiny", "--write", str(out)],
+        cwd=root,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    rows = {
+        line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:]
+        for line in out.read_text().splitlines()
+        if line.startswith("| ") and not line.startswith("| ---")
+    }
+    assert float(rows["fp32, AdamW"][0]) == 8.0
+    assert (
+        float(rows["bf16, AdamW8bit"][0]) < 3
+        and float(rows["fp32, AdamW4bit, selective AC"][0]) < 2
+    )
+    assert "bf16, AdamW, selective AC" in rows
+    assert "float8 (tensorwise, emulated)" in rows
+
+
+class _WithUnused(nn.Module):
+    """The test model and a layer the loss never reaches (torch and torchao skip it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+        self.unused = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_composes_with_skip_nonfinite_accumulation_and_unused_parameters(
+    compiled: bool,
+) -> None:
+    """``skip_nonfinite(grad_accumulate(step, 2))`` on a model with an unused layer;
+    the second window holds a NaN. torchao's loop: the loss halved per microbatch,
+    ``backward`` twice, and no ``step()`` for the NaN window; the unused layer gets no
+    gradient, so torchao never steps (nor creates a state for) it. Both sides run the
+    same ops (powers-of-two weights, torchao's kernel eagerly or traced with
+    ``aot_eager``): EXACT. A skipped window keeps the quantized states (their codes
+    and scales are selected, not requantized)."""
+    torch.manual_seed(0)
+    model = _WithUnused()
+    windows = [_batches()[:2], _batches()[1:], _batches()[::2]]
+    windows[1] = [(windows[1][0][0] * float("nan"), windows[1][0][1]), windows[1][1]]
+    with torch.compiler.set_stance("force_eager"):
+        ref = copy.deepcopy(model)
+        opt = ao.AdamW8bit(ref.parameters(), lr=LR)
+        for w, window in enumerate(windows):
+            for batch in window:
+                (_loss(ref, batch) / 2).backward()
+            if w != 1:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+    state = fasttorch.TrainState.create(copy.deepcopy(model), optim.from_torchao(ao.AdamW8bit, LR))
+    step = fasttorch.skip_nonfinite(fasttorch.grad_accumulate(fasttorch.step(_loss), 2))
+    state = step.init(state)
+    if compiled:
+        step = fasttorch.compiled(step, backend="aot_eager")
+    with contextlib.nullcontext() if compiled else torch.compiler.set_stance("force_eager"):
+        for window in windows:
+            x = torch.cat([b[0] for b in window])
+            y = torch.cat([b[1] for b in window])
+            state, _ = step(state, (x, y))
+    used = {k: v for k, v in state.params.items() if not k.startswith("unused")}
+    assert torch.equal(state.params["unused.weight"], model.unused.weight)
+    assert float(state.opt_state.slots["step"]["unused.weight"]) == 0
+    ref_params = dict(ref.named_parameters())
+    for n, p in used.items():
+        torch.testing.assert_close(p, ref_params[n].detach(), **EXACT, msg=n)
+        theirs = opt.state[ref_params[n]]
+        torch.testing.assert_close(state.opt_state.slots["step"][n], theirs["step"], **EXACT)
+        a, b = state.opt_state.slots["exp_avg_sq"][n], theirs["exp_avg_sq"]
+        for inner in getattr(a, "tensor_attrs", ()):
+            assert torch.equal(getattr(a, inner), getattr(b, inner)), (n, inner)
