@@ -132,7 +132,7 @@ def replicate(state: TrainState, *, group: Any = None, src: int = 0) -> TrainSta
     g = torch.Generator().manual_seed(0)
     g.set_state(state.rng.cpu() if state.rng.device.type != "cpu" else state.rng)
     base = int(torch.randint(0, 2**62, (1,), generator=g))
-    rank = data_parallel_rank(state.module)
-    rank = dist.get_rank(group) if rank is None else rank
+    data_rank = data_parallel_rank(state.module)
+    rank = dist.get_rank(group) if data_rank is None else data_rank
     seed = (base + 1_000_003 * rank) % 2**63
     return state.replace(rng=initial_rng_state(state.device, seed))

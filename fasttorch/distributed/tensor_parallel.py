@@ -155,7 +155,8 @@ def norm_shares(params: Mapping[str, torch.Tensor], group: Any = None) -> dict[s
             sizes = p.device_mesh.mesh.shape
             # not is_shard(): FSDP2's _StridedShard (dim 0 split by TP, then by FSDP2) is
             # no Shard in every release; a parameter is never Partial
-            k = math.prod(n for n, pl in zip(sizes, p.placements, strict=True) if not pl.is_replicate())
+            split = [n for n, pl in zip(sizes, p.placements, strict=True) if not pl.is_replicate()]
+            k = math.prod(split)
         if k != world:
             out[name] = k / world
     return out
@@ -185,7 +186,7 @@ def _resolve(model: nn.Module, plan: Mapping[str, Any]) -> list[tuple[str, str, 
     """``(key, path, module, style)`` for each module each plan key names, as
     ``parallelize_module`` resolves keys (``fnmatch`` per dotted part)."""
     paths = {name: m for name, m in model.named_modules() if name}
-    out = []
+    out: list[tuple[str, str, nn.Module, Any]] = []
     for key, style in plan.items():
         parts = key.split(".") if key else []
         hits = [
