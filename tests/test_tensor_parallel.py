@@ -29,11 +29,14 @@ def _get(group, name):
     return [res[name] for res in results]
 
 
-@pytest.mark.parametrize("name", ["fp32_eager", "fp32_compiled", "bf16_eager"])
+@pytest.mark.parametrize(
+    "name", ["fp32_eager", "fp32_compiled", "sequence_fp32_eager", "bf16_eager"]
+)
 def test_a_2d_parallel_run_equals_one_process_on_the_whole_batch(group, name):
     """with_amp (bf16), grad_accumulate, sync_on_last, clip_scaled, ema, AdamW, eager and
-    compiled, on 2 x 2 ranks against one process on the whole batch; bounds from
-    tests/tolerance.py's rules (see tp_worker.check_equals_single_process)."""
+    compiled, on 2 x 2 ranks against one process on the whole batch, with Megatron's plan
+    and with torchtitan's (sequence parallel norms, row-wise embedding, column-wise head);
+    bounds from tests/tolerance.py's rules (see tp_worker.check_equals_single_process)."""
     results = _get(group, name)
     for r in results:
         assert r == results[0]  # every rank holds the same whole parameters and metrics

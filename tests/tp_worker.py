@@ -21,7 +21,8 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 sys.path.insert(0, os.path.dirname(__file__))
 from dist_kit import join, leave
@@ -54,12 +55,12 @@ class Block(nn.Module):
         self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
         h = self.ln1(x)
-        # -1 heads: this rank's share of them under tensor parallelism, all of them alone
-        q, k, v = (
-            f(h).view(b, t, -1, c // self.n_head).transpose(1, 2) for f in (self.q, self.k, self.v)
-        )
+        q, k, v = (f(h) for f in (self.q, self.k, self.v))
+        # From q, not x: under sequence parallelism x holds this rank's positions only.
+        # -1 heads: this rank's share of them under tensor parallelism, all of them alone.
+        b, t, head = q.shape[0], q.shape[1], x.shape[-1] // self.n_head
+        q, k, v = (z.view(b, t, -1, head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
@@ -93,6 +94,26 @@ PLAN = {
 }
 
 
+# torchtitan's plan for Llama (parallelize.py, apply_tp), on these names: sequence
+# parallel between the blocks' split layers (the residual stream and the norms hold this
+# rank's positions; the norms' weights are replicated DTensors), the embedding row-wise
+# into it, the head column-wise out of it to whole logits (no loss parallelism).
+SEQUENCE_PLAN = {
+    "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+    "blocks.*.ln1": SequenceParallel(),
+    "blocks.*.q": ColwiseParallel(input_layouts=Shard(1)),
+    "blocks.*.k": ColwiseParallel(input_layouts=Shard(1)),
+    "blocks.*.v": ColwiseParallel(input_layouts=Shard(1)),
+    "blocks.*.proj": RowwiseParallel(output_layouts=Shard(1)),
+    "blocks.*.ln2": SequenceParallel(),
+    "blocks.*.fc": ColwiseParallel(input_layouts=Shard(1)),
+    "blocks.*.out": RowwiseParallel(output_layouts=Shard(1)),
+    "ln": SequenceParallel(),
+    "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+}
+PLANS = {"megatron": PLAN, "sequence": SEQUENCE_PLAN}
+
+
 def loss_fn(apply: Any, batch: Any) -> torch.Tensor:
     x, y = batch
     logits = apply(x)
@@ -110,8 +131,8 @@ def mesh_of(dp: int, tp: int) -> Any:
     return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
 
 
-def parallel(mesh: Any, **kwargs: Any) -> TinyLM:
-    return parallelize(plain(**kwargs), mesh, PLAN, blocks="blocks")
+def parallel(mesh: Any, plan: str = "megatron", **kwargs: Any) -> TinyLM:
+    return parallelize(plain(**kwargs), mesh, PLANS[plan], blocks="blocks")
 
 
 def global_batches(steps: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -172,7 +193,9 @@ OPTS = {
 }
 
 
-def check_equals_single_process(rank: int, precision: str, mode: str) -> dict[str, Any]:
+def check_equals_single_process(
+    rank: int, precision: str, mode: str, plan: str = "megatron"
+) -> dict[str, Any]:
     """2 x 2 mesh, :data:`OPTS`, the composition of :func:`compose`, eager or compiled, against
     one process on the whole batch. fp32: rule 2 (the sums split across ranks, the
     microbatches grouped otherwise: 2 of 4 rows against 2 of 2 per rank). bf16: the
@@ -190,7 +213,7 @@ def check_equals_single_process(rank: int, precision: str, mode: str) -> dict[st
     step = compose(precision, True)
     if mode == "compiled":
         step = fasttorch.compiled(step, backend="aot_eager", dynamic=False)
-    state = replicate(fasttorch.TrainState.create(parallel(mesh), make_opt()))
+    state = replicate(fasttorch.TrainState.create(parallel(mesh, plan), make_opt()))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for b in data:
@@ -342,6 +365,9 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
     checks = {
         "fp32_eager": lambda: check_equals_single_process(rank, "fp32", "eager"),
         "fp32_compiled": lambda: check_equals_single_process(rank, "fp32", "compiled"),
+        "sequence_fp32_eager": lambda: check_equals_single_process(
+            rank, "fp32", "eager", "sequence"
+        ),
         "bf16_eager": lambda: check_equals_single_process(rank, "bf16", "eager"),
         "checkpoint": lambda: check_checkpoint(rank, out),
         "errors": lambda: check_errors(rank),
