@@ -66,6 +66,9 @@ def test_a_2x2_checkpoint_resumes_bit_exactly_and_loads_on_other_meshes(group):
         for shape in ("1x4", "4x1"):
             assert res[shape] == [], res
             assert res[f"{shape}_compared"] > 100, res
+        # then replicate(state): one dropout stream per data-parallel rank, shared by
+        # the tensor-parallel peers (all 4 on 1 x 4; none on 4 x 1)
+        assert res["1x4_streams"] == 1 and res["4x1_streams"] == 4, res
 
 
 def test_a_2x2_checkpoint_loads_in_one_plain_process(group):
@@ -93,6 +96,8 @@ def test_a_2x2_checkpoint_loads_in_one_plain_process(group):
         ("blocks", "blocks='layers' names no submodule"),
         ("not_a_style", "str is not a ParallelStyle"),
         ("twice", "already a DTensor"),
+        ("across_calls", "across_calls=True"),
+        ("no_sync_on_last", "sync_on_last"),
     ],
 )
 def test_misuse_is_a_clear_error_on_every_rank_before_anything_is_sharded(group, case, words):

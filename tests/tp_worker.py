@@ -234,12 +234,13 @@ def check_equals_single_process(
         "diff": max(float((got[n] - ref.params[n]).abs().max()) for n in got),
         "ema_diff": max(float((got_ema[n] - ref_ema[n]).abs().max()) for n in got),
         # rule 2 (+ rule 4 with k roundings): params_atol's half term is steps * lr * k * u
+        # for an update at most lr in size (AdamW); SGD's is at most lr * CLIP (clipped)
         "bound": params_atol(
             error.params,
             ref.params,
             precision=precision,
             steps=STEPS,
-            lr=LR,
+            lr=LR * CLIP if half else LR,
             half_roundings=max(k, 1),
         ),
         "loss_diff": abs(float(m["loss"]) - loss),
@@ -326,11 +327,21 @@ def check_checkpoint(rank: int, out: Path) -> dict[str, Any]:
             warnings.simplefilter("ignore")  # ranks that were not there keep their RNG
             loaded, _ = checkpoint.load(out / "ck" / "tp", template, inplace=True)
         now = gathered(loaded)
+        # The RNGs are the saved ranks', whose tensor-parallel groups were others:
+        # replicate gives one stream per data-parallel rank of this mesh again.
+        res[f"{dp}x{tp}_streams"] = _streams(replicate(loaded).rng)
         res[f"{dp}x{tp}"] = sorted(
             k for k in whole if k != ".rng" and not torch.equal(now[k], whole[k])
         )
         res[f"{dp}x{tp}_compared"] = len([k for k in whole if k != ".rng"])
     return res
+
+
+def _streams(rng: torch.Tensor) -> int:
+    """How many different RNG states the ranks hold."""
+    got = [torch.empty_like(rng) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, rng)
+    return len({bytes(t.tolist()) for t in got})
 
 
 def check_errors(rank: int) -> dict[str, Any]:
@@ -346,6 +357,8 @@ def check_errors(rank: int) -> dict[str, Any]:
     flat = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     wide = mesh_of(1, 4)
     done = parallel(wide)
+    state = fasttorch.TrainState.create(done, fasttorch.optim.adamw(LR))
+    batch = mine(global_batches(1)[0], wide)
     return {
         "mesh_names": error(lambda: parallelize(plain(), flat, PLAN, blocks="blocks")),
         "no_module": error(
@@ -356,6 +369,13 @@ def check_errors(rank: int) -> dict[str, Any]:
         "blocks": error(lambda: parallelize(plain(), wide, PLAN, blocks="layers")),
         "not_a_style": error(lambda: parallelize(plain(), wide, {"blocks.*.q": "colwise"})),
         "twice": error(lambda: parallelize(done, wide, PLAN)),
+        # the refusals of sharded states hold on a 2-D mesh too
+        "across_calls": error(
+            lambda: sync_on_last(
+                fasttorch.grad_accumulate(fasttorch.step(loss_fn), 2, across_calls=True)
+            )(state, batch)
+        ),
+        "no_sync_on_last": error(lambda: fasttorch.step(loss_fn)(state, batch)),
     }
 
 

@@ -96,8 +96,9 @@ def replicate(state: TrainState, *, group: Any = None, src: int = 0) -> TrainSta
     they are parts of one model, which every rank must have built the same way (same
     seed) before ``fully_shard``. Everything else is broadcast as above. A model
     parallelized over a 2-D mesh (:func:`~fasttorch.distributed.parallelize`) draws one
-    RNG stream per data-parallel rank: the ranks of a tensor-parallel group hold the same
-    activations, so their dropout masks must agree.
+    RNG stream per data-parallel rank, derived from rank ``src``'s generator: the ranks
+    of a tensor-parallel group hold the same activations, so their dropout masks must
+    agree. Call it again after loading a checkpoint saved on another mesh shape.
 
     Raises:
         RuntimeError: torch.distributed is not initialized, or ranks' states differ.
@@ -129,10 +130,16 @@ def replicate(state: TrainState, *, group: Any = None, src: int = 0) -> TrainSta
     for _, x, p in leaves:
         if p is None:  # each rank keeps its own shards (FSDP2 sharded the same model)
             dist.broadcast(x, src=src, group=group)
-    g = torch.Generator().manual_seed(0)
-    g.set_state(state.rng.cpu() if state.rng.device.type != "cpu" else state.rng)
-    base = int(torch.randint(0, 2**62, (1,), generator=g))
+    rng = state.rng
     data_rank = data_parallel_rank(state.module)
+    if data_rank is not None:
+        # Streams from rank src's generator: after a load on another mesh the ranks'
+        # generators are those of the ranks saved, whose tensor-parallel groups differ.
+        rng = rng.clone()
+        dist.broadcast(rng, src=src, group=group)
+    g = torch.Generator().manual_seed(0)
+    g.set_state(rng.cpu() if rng.device.type != "cpu" else rng)
+    base = int(torch.randint(0, 2**62, (1,), generator=g))
     rank = dist.get_rank(group) if data_rank is None else data_rank
     seed = (base + 1_000_003 * rank) % 2**63
     return state.replace(rng=initial_rng_state(state.device, seed))
