@@ -132,6 +132,11 @@ def data_parallel_rank(module: nn.Module) -> int | None:
 
     The ranks of one tensor-parallel group share it: they hold the same data, and so
     must draw the same random numbers (dropout on their shared activations).
+
+    Example:
+        >>> import torch
+        >>> print(data_parallel_rank(torch.nn.Linear(2, 2)))  # not parallelized here
+        None
     """
     return _DATA_RANK.get(module)
 
@@ -144,7 +149,8 @@ def norm_shares(params: Mapping[str, torch.Tensor], group: Any = None) -> dict[s
     counts ``k / world`` of its local sum of squares, so the all-reduced sum counts every
     element once. A plain FSDP2 shard (sharded on the whole world) counts 1; a
     parameter replicated over the tensor-parallel ranks ``1 / tp``. Only the shares
-    that are not 1 are returned.
+    that are not 1 are returned. (A collective's group size is read: it runs under
+    torchrun, as in tests/tp_worker.py.)
     """
     world = dist.get_world_size(group)
     dtensor = imported_class("torch.distributed.tensor", "DTensor")
