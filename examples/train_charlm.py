@@ -370,7 +370,7 @@ def shard(model: CharGPT, device: torch.device, world: int, compile: bool) -> No
 
 
 # Megatron's split of a block, torchtitan's plan for Llama's: the attention's q, k, v
-# and the MLP's first layer column-wise (each rank computes its heads and its quarter of
+# and the MLP's first layer column-wise (each rank computes its heads and its share of
 # the hidden units, no communication), the attention's output projection and the MLP's
 # second layer row-wise (one all-reduce each, forward; the column-wise layers' input
 # gradients one each, backward). Norms, embeddings and head stay whole on each rank of
