@@ -56,6 +56,14 @@ def test_compiled_says_the_forward_and_backward_run_eagerly(group):
     assert any("FSDP2, whose hooks run" in w for w in r["warnings"]), r
 
 
+def test_tensor_parallel_peers_draw_the_same_dropout_masks(group):
+    """replicate seeds one stream per data-parallel rank: dropout (p = 0.5) on the
+    activations the peers share keeps their copies equal; a stream per rank, as data
+    parallelism seeds it, does not (the check sees the difference)."""
+    for r in _get(group, "dropout"):
+        assert r == {"data_parallel": True, "per_rank": False}, r
+
+
 def test_a_2x2_checkpoint_resumes_bit_exactly_and_loads_on_other_meshes(group):
     """Saved on 2 x 2: a fresh 2 x 2 template resumes the same steps bit for bit; 1 x 4
     (tensor parallel only) and 4 x 1 (FSDP2 only) templates read every leaf (shards,

@@ -32,6 +32,7 @@ from tolerance import FACTOR, params_atol, reference_error, unit_roundoff
 
 import fasttorch
 from fasttorch import checkpoint
+from fasttorch._rng import initial_rng_state
 from fasttorch.distributed import parallelize, replicate, sync_on_last
 
 STEPS, LR, CLIP = 3, 1e-2, 0.5
@@ -43,9 +44,11 @@ K, M = 2, 2  # steps before a checkpoint, steps after it
 class Block(nn.Module):
     """Pre-norm block with separate q, k, v (column-wise: each rank takes whole heads)."""
 
-    def __init__(self, width: int, n_head: int) -> None:
+    def __init__(self, width: int, n_head: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.n_head = n_head
+        # on the row-wise layers' outputs: whole on each tensor-parallel peer
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
         # No key bias: its true gradient is zero (softmax ignores a shift of all
         # scores), and Adam turns rounding noise in it into lr-sized steps of any sign.
@@ -62,15 +65,17 @@ class Block(nn.Module):
         b, t, head = q.shape[0], q.shape[1], x.shape[-1] // self.n_head
         q, k, v = (z.view(b, t, -1, head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, -1)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 
 
 class TinyLM(nn.Module):
-    def __init__(self, width: int = WIDTH, n_head: int = HEADS, layers: int = LAYERS) -> None:
+    def __init__(
+        self, width: int = WIDTH, n_head: int = HEADS, layers: int = LAYERS, dropout: float = 0.0
+    ) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, width)
-        self.blocks = nn.ModuleList(Block(width, n_head) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(width, n_head, dropout) for _ in range(layers))
         self.ln = nn.LayerNorm(width)
         self.head = nn.Linear(width, VOCAB)
 
@@ -122,9 +127,9 @@ def loss_fn(apply: Any, batch: Any) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def plain(width: int = WIDTH, n_head: int = HEADS) -> TinyLM:
+def plain(width: int = WIDTH, n_head: int = HEADS, dropout: float = 0.0) -> TinyLM:
     torch.manual_seed(0)
-    return TinyLM(width, n_head)
+    return TinyLM(width, n_head, dropout=dropout)
 
 
 def mesh_of(dp: int, tp: int) -> Any:
@@ -337,6 +342,23 @@ def check_checkpoint(rank: int, out: Path) -> dict[str, Any]:
     return res
 
 
+def check_dropout(rank: int) -> dict[str, bool]:
+    """Dropout on the activations the tensor-parallel peers share: with replicate's
+    streams (one per data-parallel rank) the peers' copies of what the plan leaves whole
+    stay bitwise equal; with a stream per rank (data parallelism's) they drift apart."""
+    mesh, step = mesh_of(2, 2), compose("fp32", True)
+    out = {}
+    for streams in ("data_parallel", "per_rank"):
+        model = parallel(mesh, dropout=0.5)
+        state = replicate(fasttorch.TrainState.create(model, fasttorch.optim.adamw(LR)))
+        if streams == "per_rank":
+            state = state.replace(rng=initial_rng_state(state.device, 1_000 + rank))
+        for b in global_batches(2, seed=2):
+            state, _ = step(state, mine(b, mesh))
+        out[streams] = _peers_equal(state, mesh)
+    return out
+
+
 def _streams(rng: torch.Tensor) -> int:
     """How many different RNG states the ranks hold."""
     got = [torch.empty_like(rng) for _ in range(dist.get_world_size())]
@@ -390,6 +412,7 @@ def run(rank: int, world: int, port: int, out_dir: str) -> None:
         ),
         "bf16_eager": lambda: check_equals_single_process(rank, "bf16", "eager"),
         "checkpoint": lambda: check_checkpoint(rank, out),
+        "dropout": lambda: check_dropout(rank),
         "errors": lambda: check_errors(rank),
     }
     results = {}
