@@ -103,6 +103,7 @@ def test_a_2x2_checkpoint_loads_in_one_plain_process(group):
         ("width", "(Linear with out_features=18) over tp=4 ranks, which does not divide"),
         ("blocks", "blocks='layers' names no submodule"),
         ("not_a_style", "str is not a ParallelStyle"),
+        ("compile_no_blocks", "compile= compiles each block, but blocks=None names none"),
         ("twice", "already a DTensor"),
         ("across_calls", "across_calls=True"),
         ("no_sync_on_last", "sync_on_last"),

@@ -136,8 +136,8 @@ def mesh_of(dp: int, tp: int) -> Any:
     return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp_shard", "tp"))
 
 
-def parallel(mesh: Any, plan: str = "megatron", **kwargs: Any) -> TinyLM:
-    return parallelize(plain(**kwargs), mesh, PLANS[plan], blocks="blocks")
+def parallel(mesh: Any, plan: str = "megatron", compile: Any = None, **kwargs: Any) -> TinyLM:
+    return parallelize(plain(**kwargs), mesh, PLANS[plan], blocks="blocks", compile=compile)
 
 
 def global_batches(steps: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -218,7 +218,9 @@ def check_equals_single_process(
     step = compose(precision, True)
     if mode == "compiled":
         step = fasttorch.compiled(step, backend="aot_eager", dynamic=False)
-    state = replicate(fasttorch.TrainState.create(parallel(mesh, plan), make_opt()))
+    # compiled: the blocks too, after the plan and before fully_shard (torchtitan's order)
+    blocks = {"backend": "aot_eager", "fullgraph": True} if mode == "compiled" else None
+    state = replicate(fasttorch.TrainState.create(parallel(mesh, plan, blocks), make_opt()))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for b in data:
@@ -390,6 +392,7 @@ def check_errors(rank: int) -> dict[str, Any]:
         "width": error(lambda: parallel(wide, width=18, n_head=2)),
         "blocks": error(lambda: parallelize(plain(), wide, PLAN, blocks="layers")),
         "not_a_style": error(lambda: parallelize(plain(), wide, {"blocks.*.q": "colwise"})),
+        "compile_no_blocks": error(lambda: parallelize(plain(), wide, PLAN, compile={})),
         "twice": error(lambda: parallelize(done, wide, PLAN)),
         # the refusals of sharded states hold on a 2-D mesh too
         "across_calls": error(

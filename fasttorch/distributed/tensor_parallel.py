@@ -51,6 +51,7 @@ def parallelize(
     blocks: str | None = None,
     dp: str = "dp_shard",
     tp: str = "tp",
+    compile: Mapping[str, Any] | None = None,
     **fsdp: Any,
 ) -> nn.Module:
     """Shard ``model`` over a 2-D mesh: ``plan`` over ``mesh[tp]``, FSDP2 over ``mesh[dp]``.
@@ -59,7 +60,9 @@ def parallelize(
     plan)``, then ``fully_shard(block, mesh=mesh[dp], **fsdp)`` for each child of the
     submodule named ``blocks`` (a transformer's ``nn.ModuleList`` of blocks), then
     ``fully_shard(model, ...)`` (the root: embeddings, final norm, head), as torchtitan's
-    ``parallelize_llama`` does. Every rank must have built the same model (same seed)
+    ``parallelize_llama`` does; with ``compile``, each block is compiled between the plan
+    and ``fully_shard`` (torchtitan's order), the part of the forward and backward that
+    compiles under FSDP2's hooks. Every rank must have built the same model (same seed)
     before. Train the result as any FSDP2 state: ``TrainState.create``,
     :func:`~fasttorch.distributed.replicate`, a step with ``sync_on_last``; give the
     ranks of one tensor-parallel group the same batch (their data-parallel rank is
@@ -76,6 +79,7 @@ def parallelize(
 
         parallelize_module(model, mesh["tp"], plan)
         for block in model.blocks:
+            block.compile(**compile)  # with compile= only
             fully_shard(block, mesh=mesh["dp_shard"])
         fully_shard(model, mesh=mesh["dp_shard"])
 
@@ -87,6 +91,8 @@ def parallelize(
         blocks: the submodule whose children are FSDP2 units (``None``: the root only).
         dp: the data-parallel (FSDP2) dimension's name.
         tp: the tensor-parallel dimension's name.
+        compile: keyword arguments of ``nn.Module.compile`` for each block (e.g.
+            ``{"fullgraph": True}``); ``None``: not compiled.
         fsdp: keyword arguments of ``fully_shard`` (``mp_policy``,
             ``reshard_after_forward``).
 
@@ -115,12 +121,20 @@ def parallelize(
     degree = mesh[tp].size()
     _check_splits(model, matched, degree)
     units = _units(model, blocks)
+    if compile is not None and not units:
+        raise ValueError(
+            "fasttorch.distributed.parallelize: compile= compiles each block, but "
+            f"blocks={blocks!r} names none. Pass blocks= (the module whose children are "
+            "the blocks), or compile the step only (fasttorch.compiled)"
+        )
     _check_not_sharded(model)
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     parallelize_module(model, mesh[tp], dict(plan))
     for unit in units:
+        if compile is not None:
+            unit.compile(**compile)
         fully_shard(unit, mesh=mesh[dp], **fsdp)
     fully_shard(model, mesh=mesh[dp], **fsdp)
     _DATA_RANK[model] = mesh[dp].get_local_rank()
