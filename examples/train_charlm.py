@@ -388,17 +388,21 @@ def tp_plan() -> dict[str, Any]:
     }
 
 
-def shard_2d(model: CharGPT, device: torch.device, world: int, tp: int) -> tuple[int, int]:
+def shard_2d(
+    model: CharGPT, device: torch.device, world: int, tp: int, compile: bool
+) -> tuple[int, int]:
     """Tensor parallel over ``tp`` ranks inside each block, FSDP2 over ``world // tp``:
     ``fasttorch.distributed.parallelize`` on a ``("dp_shard", "tp")`` mesh (torchtitan's
-    names). Returns this rank's data-parallel rank and their number, the rows of each
-    global batch it takes (its tensor-parallel peers take the same)."""
+    names); with ``compile`` each block compiled after the plan, before FSDP2. Returns
+    this rank's data-parallel rank and their number, the rows of each global batch it
+    takes (its tensor-parallel peers take the same)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp_shard", "tp"))
     for block in model.blocks:
         cast(Block, block).split_qkv()
-    parallelize(model, mesh, tp_plan(), blocks="blocks")
+    blocks = {"fullgraph": True} if compile else None
+    parallelize(model, mesh, tp_plan(), blocks="blocks", compile=blocks)
     return mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
 
 
@@ -660,7 +664,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     n_params = sum(p.numel() for p in model.parameters())  # shared weights counted once
     compile = not args.no_compile
     if args.tp > 1:  # a 2-D mesh: tensor parallel inside the blocks, FSDP2 across
-        if shard_2d(model, device, world, args.tp) != (data_rank, data_ranks):
+        if shard_2d(model, device, world, args.tp, compile) != (data_rank, data_ranks):
             raise SystemExit("the device mesh does not lay out ranks row-major")
     elif args.fsdp:  # every rank built the same model (same seed): now each keeps 1/world
         shard(model, device, world, compile)
@@ -735,8 +739,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         )
         if compile:
             say(
-                "compiled: the update (fasttorch.compiled); the forward and backward run "
-                "eagerly around FSDP2's hooks and the tensor-parallel collectives"
+                "compiled: each block's forward and backward (compiled after the plan, "
+                "before fully_shard) and the update (fasttorch.compiled); embeddings, final "
+                "LayerNorm, head and loss run eagerly around FSDP2's hooks"
             )
     elif args.fsdp:
         say(
