@@ -26,7 +26,11 @@ by ``fasttorch.profiled`` with ``--profile DIR``, and at the end ``loss.svg`` an
 ``summary.json`` in ``--out``. Under torchrun only rank 0 prints and writes those files;
 checkpoints are written by all ranks together. With ``--fsdp`` the model is sharded
 across the ranks by FSDP2 (``fully_shard`` per block, then the root; each block compiled
-before it is sharded), and the state holds each rank's shards.
+before it is sharded), and the state holds each rank's shards. With ``--tp N`` the ranks
+form a 2-D mesh, N-way tensor parallel inside each block (``parallelize_module``'s
+column- and row-wise split of attention and MLP, by heads) times FSDP2 over the rest
+(``fasttorch.distributed.parallelize``); the N ranks of a tensor-parallel group share
+one batch shard.
 
 Run ``python examples/train_charlm.py --help`` for the flags; the defaults finish in
 about two minutes on two CPU cores, torch.compile included.
@@ -67,7 +71,7 @@ from torch import Tensor, nn
 import fasttorch
 from fasttorch import checkpoint, schedules
 from fasttorch.data import from_json, to_json
-from fasttorch.distributed import backend_for, replicate, setup, sync_on_last
+from fasttorch.distributed import backend_for, parallelize, replicate, setup, sync_on_last
 from fasttorch.evaluation import evaluate
 from fasttorch.loop import TensorBoardWriter, every
 from fasttorch.transforms.profiled import Profiled
@@ -194,14 +198,34 @@ class Block(nn.Module):
         )
         self.resid_drop = nn.Dropout(dropout)
 
+    def split_qkv(self) -> None:
+        """Replace the fused ``qkv`` layer by ``q``, ``k`` and ``v`` layers holding its
+        rows: the same function, in three layers that tensor parallelism can each split
+        by heads (a column-wise split of the fused one would give a rank the queries of
+        every head and half the keys)."""
+        c = self.qkv.in_features
+        device = self.qkv.weight.device
+        for name, w, bias in zip("qkv", self.qkv.weight.split(c), self.qkv.bias.split(c)):
+            layer = nn.utils.skip_init(nn.Linear, c, c, device=device)  # no RNG drawn
+            with torch.no_grad():
+                layer.weight.copy_(w)
+                layer.bias.copy_(bias)
+            setattr(self, name, layer)
+        del self.qkv
+
     def forward(self, x: Tensor) -> Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        h = self.ln1(x)
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(h).split(c, dim=2)
+        else:  # split_qkv: under tensor parallelism each holds this rank's heads
+            q, k, v = self.q(h), self.k(h), self.v(h)
+        # -1: the heads this rank holds (all of them without tensor parallelism)
+        q, k, v = (z.view(b, t, -1, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         # No attention dropout (dropout_p=0): in torch 2.13, SDPA with dropout_p > 0
         # under autocast fails inside torch.func.grad, which fasttorch.step uses.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        y = y.transpose(1, 2).reshape(b, t, c)
+        y = y.transpose(1, 2).reshape(b, t, -1)
         x = x + self.resid_drop(self.proj(y))
         out: Tensor = x + self.mlp(self.ln2(x))
         return out
@@ -345,6 +369,43 @@ def shard(model: CharGPT, device: torch.device, world: int, compile: bool) -> No
     fully_shard(model, mesh=mesh)
 
 
+# Megatron's split of a block, torchtitan's plan for Llama's: the attention's q, k, v
+# and the MLP's first layer column-wise (each rank computes its heads and its share of
+# the hidden units, no communication), the attention's output projection and the MLP's
+# second layer row-wise (one all-reduce each, forward; the column-wise layers' input
+# gradients one each, backward). Norms, embeddings and head stay whole on each rank of
+# the tensor-parallel group (FSDP2 shards them over the data-parallel ranks).
+def tp_plan() -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "blocks.*.q": ColwiseParallel(),
+        "blocks.*.k": ColwiseParallel(),
+        "blocks.*.v": ColwiseParallel(),
+        "blocks.*.proj": RowwiseParallel(),
+        "blocks.*.mlp.0": ColwiseParallel(),
+        "blocks.*.mlp.2": RowwiseParallel(),
+    }
+
+
+def shard_2d(
+    model: CharGPT, device: torch.device, world: int, tp: int, compile: bool
+) -> tuple[int, int]:
+    """Tensor parallel over ``tp`` ranks inside each block, FSDP2 over ``world // tp``:
+    ``fasttorch.distributed.parallelize`` on a ``("dp_shard", "tp")`` mesh (torchtitan's
+    names); with ``compile`` each block compiled after the plan, before FSDP2. Returns
+    this rank's data-parallel rank and their number, the rows of each global batch it
+    takes (its tensor-parallel peers take the same)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp_shard", "tp"))
+    for block in model.blocks:
+        cast(Block, block).split_qkv()
+    blocks = {"fullgraph": True} if compile else None
+    parallelize(model, mesh, tp_plan(), blocks="blocks", compile=blocks)
+    return mesh["dp_shard"].get_local_rank(), mesh["dp_shard"].size()
+
+
 def state_bytes(state: fasttorch.TrainState) -> tuple[int, int]:
     """Parameter + optimizer-state bytes held by this rank, and in the whole state (each
     shard counted at its parameter's global size)."""
@@ -405,6 +466,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="shard the parameters and optimizer state across the ranks with FSDP2 "
         "(fully_shard per block, then the root); under torchrun, or alone as 1 rank",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor parallel over N ranks inside each block, FSDP2 over the others "
+        "(a 2-D mesh; implies --fsdp; under torchrun with a multiple of N ranks)",
     )
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
     p.add_argument("--min-lr", type=float, default=3e-4, help="learning rate at the end")
@@ -471,7 +540,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--threads", type=int, default=None, help="CPU threads (default: torch's choice)"
     )
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "accum", "block_size", "n_layer", "n_embd", "n_head"):
+    for name in ("steps", "batch_size", "accum", "block_size", "n_layer", "n_embd", "n_head", "tp"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.batch_size % args.accum:
@@ -488,6 +557,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--ema must be in [0, 1) (0.99 or 0.999 are common)")
     if (args.resume or args.ckpt_every) and args.ckpt_dir is None:
         p.error("--resume and --ckpt-every need --ckpt-dir")
+    if args.tp > 1:
+        args.fsdp = True  # the data-parallel dimension is FSDP2's
     if args.warmup is None:
         args.warmup = max(1, args.steps // 10)
     return args
@@ -548,8 +619,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     rank, world, device = setup(args.device)
     if args.fsdp and not torch.distributed.is_initialized():
         join_alone(device)  # --fsdp without torchrun: a group of one rank
-    if args.batch_size % world:
-        raise SystemExit(f"--batch-size {args.batch_size} must be divisible by {world} ranks")
+    if world % args.tp:
+        raise SystemExit(
+            f"--tp {args.tp} must divide the number of ranks ({world}): launch with "
+            f"torchrun --nproc_per_node={args.tp * max(1, world // args.tp)} (or a multiple "
+            f"of {args.tp})"
+        )
+    data_ranks = world // args.tp  # the ranks of a tensor-parallel group share a batch
+    if args.batch_size % data_ranks:
+        raise SystemExit(
+            f"--batch-size {args.batch_size} must be divisible by {data_ranks} data-parallel ranks"
+        )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -562,9 +642,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     vocab = ByteVocab(raw)
     tokens = vocab.encode(raw).to(device)
     train_tokens, val_tokens = split_tokens(tokens, args.block_size, args.val_fraction)
-    train_batches = Batches(train_tokens, args.block_size, args.batch_size, args.seed, rank, world)
+    data_rank = rank // args.tp  # torch's row-major mesh: rank = data rank * tp + tp rank
+    train_batches = Batches(
+        train_tokens, args.block_size, args.batch_size, args.seed, data_rank, data_ranks
+    )
     # A fixed held-out set, drawn once: every evaluation scores the same windows.
-    val_draw = Batches(val_tokens, args.block_size, args.batch_size, args.seed + 1, rank, world)
+    val_draw = Batches(
+        val_tokens, args.block_size, args.batch_size, args.seed + 1, data_rank, data_ranks
+    )
     val_set = [val_draw() for _ in range(args.eval_batches)]
 
     model = CharGPT(
@@ -578,7 +663,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     ).to(device)
     n_params = sum(p.numel() for p in model.parameters())  # shared weights counted once
     compile = not args.no_compile
-    if args.fsdp:  # every rank built the same model (same seed): now each keeps 1/world
+    if args.tp > 1:  # a 2-D mesh: tensor parallel inside the blocks, FSDP2 across
+        if shard_2d(model, device, world, args.tp, compile) != (data_rank, data_ranks):
+            raise SystemExit("the device mesh does not lay out ranks row-major")
+    elif args.fsdp:  # every rank built the same model (same seed): now each keeps 1/world
         shard(model, device, world, compile)
 
     warmup = min(args.warmup, args.steps)
@@ -642,7 +730,20 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         + f" | {args.steps} steps, lr {args.lr:g} (warm-up {warmup}, cosine to {args.min_lr:g})"
     )
     mine, whole = state_bytes(state)
-    if args.fsdp:
+    if args.tp > 1:
+        say(
+            f"sharded: a {data_ranks} x {args.tp} mesh, tensor parallel over {args.tp} "
+            f"ranks inside each block, FSDP2 over {data_ranks} (fully_shard per block "
+            f"x{args.n_layer}, then the root) | parameters + optimizer state "
+            f"{mine / 2**20:.2f} MiB on rank 0 of {whole / 2**20:.2f} MiB"
+        )
+        if compile:
+            say(
+                "compiled: each block's forward and backward (compiled after the plan, "
+                "before fully_shard) and the update (fasttorch.compiled); embeddings, final "
+                "LayerNorm, head and loss run eagerly around FSDP2's hooks"
+            )
+    elif args.fsdp:
         say(
             f"sharded: FSDP2 over {world} rank{'s' if world > 1 else ''} (fully_shard per "
             f"block x{args.n_layer}, then the root) | parameters + optimizer state "
@@ -757,6 +858,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "device": str(device),
         "world": world,
         "fsdp": args.fsdp,
+        "tp": args.tp,
         "torch": torch.__version__,
         "params": n_params,
         "data_bytes": len(raw),

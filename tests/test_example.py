@@ -38,6 +38,7 @@ SUMMARY_KEYS = {
     "device",
     "world",
     "fsdp",
+    "tp",
     "torch",
     "params",
     "data_bytes",

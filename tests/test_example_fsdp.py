@@ -262,3 +262,19 @@ def test_sharded_on_gpus_with_nccl(tmp_path: Path) -> None:
     assert summary["final_loss"] < summary["initial_loss"] - 0.3
     for key in ("val_loss", "final_loss"):
         assert summary[key] == summary[key], key  # not NaN
+
+
+def test_tensor_parallel_2x2_matches_replicated(
+    tmp_path: Path, replicated: dict[str, Any], loop_error: tuple[LoopError, torch.nn.Module]
+) -> None:
+    """``--tp 2`` on 4 ranks: a 2 x 2 mesh, each block split by heads over 2 ranks and
+    FSDP2 over the 2 pairs, each pair on its half of the batch (eager: the compiled
+    update is tests/test_tensor_parallel.py's, without inductor). Rule 2 against the
+    replicated run (tensor parallelism splits sums over ranks, the fused qkv layer is
+    three layers holding its rows)."""
+    summary, out = torchrun(tmp_path, "--tp", "2", "--no-compile", nproc=4)
+    error, _ = loop_error
+    assert summary["world"] == 4 and summary["fsdp"] and summary["tp"] == 2
+    assert "sharded: a 2 x 2 mesh, tensor parallel over 2 ranks inside each block" in out
+    assert summary["state_bytes"] < 0.3 * replicated["state_bytes"]  # 1/4 of most tensors
+    assert_same_run(summary, replicated, error)

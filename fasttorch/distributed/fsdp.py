@@ -46,6 +46,7 @@ from fasttorch.distributed.reducer import (
     wait,
     window_counts,
 )
+from fasttorch.distributed.tensor_parallel import norm_shares
 from fasttorch.phases import GradOut, Tensors, reciprocal, skip_empty_window
 from fasttorch.state import TrainState, local_tensor, reshard
 from fasttorch.window import InModule, Step
@@ -212,6 +213,10 @@ class ShardedWindow(InModule):
         self.module = state.module
         self.root = roots[0]
         self.keep = _kept_gathered(roots) if n > 1 else []
+        # Parameters held whole by several ranks (replicated over tensor parallelism)
+        # count their square once in the global norm: empty for plain FSDP2.
+        self.shares = norm_shares(params, config.group)
+        self._weights: dict[Any, torch.Tensor] = {}
 
     def before(self, i: int, n: int) -> None:
         """Sync (reduce-scatter) and reshard on the last microbatch only."""
@@ -229,6 +234,14 @@ class ShardedWindow(InModule):
     def local(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's shard of ``t``."""
         return local_tensor(t)
+
+    def _share_weights(self, grads: Tensors, like: torch.Tensor) -> torch.Tensor:
+        """:func:`norm_shares` in the order of ``grads``, made once per set of names."""
+        key = (tuple(grads), like.device)
+        if key not in self._weights:
+            w = [self.shares.get(k, 1.0) for k in grads]
+            self._weights[key] = torch.tensor(w, dtype=like.dtype, device=like.device)
+        return self._weights[key]
 
     def mean(
         self,
@@ -250,7 +263,10 @@ class ShardedWindow(InModule):
         ts = list(grads.values())
         # One kernel per step of this, not per tensor: on a GPU each launch costs more
         # than the arithmetic of a norm.
-        sumsq = torch.stack(torch._foreach_norm(ts)).to(torch.float64).square().sum()
+        squares = torch.stack(torch._foreach_norm(ts)).to(torch.float64).square()
+        if self.shares:
+            squares = squares * self._share_weights(grads, squares)
+        sumsq = squares.sum()
         counts = window_counts(sums.weight, sums.value, n, state.step, sumsq)
         wait(
             dist.all_reduce(counts, group=config.group, async_op=True),

@@ -13,6 +13,7 @@ import torch.utils._pytree as pytree
 from fasttorch._checks import warn_once
 from fasttorch._rng import initial_rng_state
 from fasttorch.distributed.fsdp import sharded_leaves
+from fasttorch.distributed.tensor_parallel import data_parallel_rank
 from fasttorch.state import TrainState, check_alive
 
 __all__ = ["backend_for", "replicate", "setup"]
@@ -93,7 +94,11 @@ def replicate(state: TrainState, *, group: Any = None, src: int = 0) -> TrainSta
 
     In a sharded state (a module sharded with FSDP2) each rank keeps its own shards:
     they are parts of one model, which every rank must have built the same way (same
-    seed) before ``fully_shard``. Everything else is broadcast as above.
+    seed) before ``fully_shard``. Everything else is broadcast as above. A model
+    parallelized over a 2-D mesh (:func:`~fasttorch.distributed.parallelize`) draws one
+    RNG stream per data-parallel rank, derived from rank ``src``'s generator: the ranks
+    of a tensor-parallel group hold the same activations, so their dropout masks must
+    agree. Call it again after loading a checkpoint saved on another mesh shape.
 
     Raises:
         RuntimeError: torch.distributed is not initialized, or ranks' states differ.
@@ -125,8 +130,16 @@ def replicate(state: TrainState, *, group: Any = None, src: int = 0) -> TrainSta
     for _, x, p in leaves:
         if p is None:  # each rank keeps its own shards (FSDP2 sharded the same model)
             dist.broadcast(x, src=src, group=group)
+    rng = state.rng
+    data_rank = data_parallel_rank(state.module)
+    if data_rank is not None:
+        # Streams from rank src's generator: after a load on another mesh the ranks'
+        # generators are those of the ranks saved, whose tensor-parallel groups differ.
+        rng = rng.clone()
+        dist.broadcast(rng, src=src, group=group)
     g = torch.Generator().manual_seed(0)
-    g.set_state(state.rng.cpu() if state.rng.device.type != "cpu" else state.rng)
+    g.set_state(rng.cpu() if rng.device.type != "cpu" else rng)
     base = int(torch.randint(0, 2**62, (1,), generator=g))
-    seed = (base + 1_000_003 * dist.get_rank(group)) % 2**63
+    rank = dist.get_rank(group) if data_rank is None else data_rank
+    seed = (base + 1_000_003 * rank) % 2**63
     return state.replace(rng=initial_rng_state(state.device, seed))
