@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from typing import Any
 
 import pytest
 import torch
-from tolerance import EXACT
+from tolerance import EXACT, gamma
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 
 import fasttorch
 from fasttorch import checkpoint, optim
@@ -230,10 +232,12 @@ def test_checkpoint_resumes_bit_for_bit(tmp_path: Any, inplace: bool) -> None:
     for k in ours:
         torch.testing.assert_close(ours[k], theirs[k], **EXACT, msg=k)
     manifest = checkpoint.verify(path)
-    assert manifest["entries"]["opt_state/slots/exp_avg/0.weight/codes"] == {
-        "shape": [64 * 64 // 2],  # two 4-bit codes a byte, flat
-        "dtype": "uint8",
-    }
+    key = "opt_state/slots/exp_avg/0.weight"
+    assert manifest["entries"][key] == {"shape": [64, 64], "dtype": "float32"}  # its values
+    assert key in manifest["quantized"]
+    meta = FileSystemReader(path).read_metadata().state_dict_metadata  # our own file
+    codes = meta[f"{key}/codes"]  # what the load read: two 4-bit codes a byte, flat
+    assert (list(codes.size), codes.properties.dtype) == ([64 * 64 // 2], torch.uint8)
 
 
 def _leaves(state: fasttorch.TrainState) -> dict[str, torch.Tensor]:
@@ -256,24 +260,6 @@ def test_checkpoint_refuses_another_optimizer(tmp_path: Any) -> None:
         checkpoint.load(path, fasttorch.TrainState.create(_model(), optim.adamw(LR)))
     with pytest.raises(checkpoint.CheckpointMismatchError, match="exp_avg/0.weight"):
         checkpoint.load(path, _make_state("AdamW4bit"))
-
-
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_sharded_quantized_states_are_refused_by_checkpoints(tmp_path: Any) -> None:
-    """On 2 gloo ranks (FSDP2): the states are quantized per local shard, and a
-    checkpoint refuses them, on every rank, before writing anything: their layout
-    depends on the number of ranks (tests/lowbit_worker.py)."""
-    from dist_kit import spawn_group
-    from lowbit_worker import run
-
-    results = spawn_group(run, 2, tmp_path, deadline_s=300)
-    for r, res in enumerate(results):
-        got = res["refusals"]
-        assert "exception" not in got, f"rank {r}:\n{got['exception']}"
-        assert got["kind"] == "OptimState8bit"
-        for api in ("save", "load"):
-            assert got[api] is not None and "cannot reshard" in got[api], (r, api, got[api])
-        assert got["nothing_written"]
 
 
 def test_cpu_offload_is_refused_on_a_cpu_as_torchao_refuses_it() -> None:
@@ -403,3 +389,86 @@ def test_composes_with_skip_nonfinite_accumulation_and_unused_parameters(
         a, b = state.opt_state.slots["exp_avg_sq"][n], theirs["exp_avg_sq"]
         for inner in getattr(a, "tensor_attrs", ()):
             assert torch.equal(getattr(a, inner), getattr(b, inner)), (n, inner)
+
+
+def requant_bound(qmap: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Per value, how far torchao's requantization of values ``v`` into an 8-bit or
+    4-bit state (code map ``qmap``, new block scales ``scale``) may move them. A block's
+    values are divided by its new scale ``s = max|v|`` (into [-1, 1], or [0, 1] for a
+    second moment) and rounded to the nearest code of the map: at most half the widest
+    gap between neighbouring codes, or the distance from the domain's end to the
+    outermost code, ``h``; dequantized, ``|deq - v| <= s * h``, plus four float32
+    roundings of values at most ``s`` (the division, the rounding test's subtraction
+    and halving, the product on dequantizing): ``s * (h + gamma(4))``."""
+    q = qmap.double()
+    lo = -1.0 if float(q[0]) < 0 else 0.0
+    h = max(float((q[1:] - q[:-1]).max()) / 2, float(q[0]) - lo, 1.0 - float(q[-1]))
+    block = math.prod(shape) // scale.numel()
+    return (scale.double() * (h + gamma(4))).repeat_interleave(block).view(shape)
+
+
+def _assert_requantized(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], inner: dict[str, torch.Tensor]
+) -> int:
+    """Plain leaves bitwise; each quantized one (``inner`` has its ``.codes``) within
+    its requantization bound. Returns how many were quantized."""
+    assert got.keys() == want.keys()
+    n = 0
+    for k in got:
+        if f"{k}.codes" in inner:
+            n += 1
+            bound = requant_bound(inner[f"{k}.qmap"], inner[f"{k}.scale"], got[k].shape)
+            err = (got[k].double() - want[k].double()).abs()
+            assert bool((err <= bound).all()), (k, float((err - bound).max()))
+        else:
+            torch.testing.assert_close(got[k], want[k], **EXACT, msg=k)
+    return n
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_sharded_quantized_states_resume_and_reshard(tmp_path: Any) -> None:
+    """FSDP2 on 2 gloo ranks (tests/lowbit_worker.py), torchao's states quantized per
+    local shard. On the same 2 ranks: resumed bit for bit (AdamW8bit: codes, scales,
+    parameters). 2 -> 1 (a plain process, AdamW8bit) and 1 -> 2 (AdamW4bit): the
+    values resharded by DCP and requantized by torchao into the new layout; the
+    parameters and step counts bitwise, each moment within its requantization bound."""
+    from dist_kit import spawn_group
+    from lowbit_worker import batches, inner, loss, new_state, run, values
+
+    step = fasttorch.step(loss)
+    with torch.compiler.set_stance("force_eager"):
+        single = new_state(ao.AdamW4bit, False)
+        for b in batches(0)[:2]:
+            single, _ = step(single, b)
+    single_path = checkpoint.save(tmp_path / "single", single)
+    results = spawn_group(run, 2, tmp_path, str(single_path), deadline_s=300)
+    for r, res in enumerate(results):
+        for name in ("resume", "one_to_two"):
+            assert "exception" not in res[name], f"rank {r} {name}:\n{res[name]['exception']}"
+        got = res["resume"]
+        assert got["kind"] == "OptimState8bit" and got["keys_equal"], got
+        assert got["compared"] > 0 and got["mismatched"] == [], got
+        assert res["one_to_two"]["kind"] == "OptimState4bit"
+
+    # 1 -> 2: each rank's values are its rows (FSDP2's dim-0 chunks) of the one process's.
+    whole = values(single)
+    for r in range(2):
+        mine = torch.load(tmp_path / f"one_to_two{r}.pt", weights_only=True)
+        mine_inner = torch.load(tmp_path / f"one_to_two_inner{r}.pt", weights_only=True)
+        del mine[".rng"]  # rank 1, new since the save, keeps its own (checkpoint.load)
+        rows = {
+            k: t if mine[k].shape == t.shape else t.chunk(2)[r]
+            for k, t in whole.items()
+            if k in mine
+        }
+        assert _assert_requantized(mine, rows, mine_inner) == 2  # exp_avg, exp_avg_sq
+
+    # 2 -> 1: a plain process loads the 2 ranks' checkpoint; the ranks' rows concatenated.
+    saved = [torch.load(tmp_path / f"saved_values{r}.pt", weights_only=True) for r in range(2)]
+    loaded, _ = checkpoint.load(results[0]["resume"]["path"], new_state(ao.AdamW8bit, False))
+    got = values(loaded)
+    want = {
+        k: t if got[k].shape == t.shape else torch.cat([s[k] for s in saved])
+        for k, t in saved[0].items()
+    }
+    assert _assert_requantized(got, want, inner(loaded)) == 2
