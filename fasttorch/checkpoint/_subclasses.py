@@ -50,7 +50,7 @@ def is_subclass(t: Any) -> bool:
 def values(t: torch.Tensor) -> torch.Tensor:
     """The plain values of ``t``: a subclass dequantized (in the dtype it shows)."""
     if is_subclass(t):
-        return t.dequantize(t.dtype)  # type: ignore[attr-defined, no-any-return]
+        return t.dequantize(t.dtype)  # type: ignore[call-arg, no-any-return]
     return t
 
 
