@@ -1,6 +1,6 @@
 """A 2-rank gloo group for tests/test_lowbit_optim.py: torchao's quantized optimizer
 states in a state sharded with FSDP2, checkpointed: resumed on the same 2 ranks, and
-loaded from a one-process checkpoint (1 -> 2, resharded and requantized)."""
+loaded from one-process checkpoints (1 -> 2, resharded and requantized)."""
 
 from __future__ import annotations
 
@@ -98,24 +98,28 @@ def check_resume(rank: int, out: Path) -> dict[str, Any]:
     }
 
 
-def check_one_to_two(rank: int, out: Path, single: str) -> dict[str, Any]:
-    """A one-process checkpoint loaded into 2 sharded ranks: this rank's values saved
-    for the test to compare with its rows of the saved whole ones."""
+def check_one_to_two(rank: int, out: Path, singles: dict[str, str]) -> dict[str, Any]:
+    """One-process checkpoints (of torchao's class name -> path) loaded into 2 sharded
+    ranks: this rank's values and inner tensors saved for the test to compare with its
+    rows of the saved whole ones."""
     import torchao.optim as ao
 
-    state, _ = checkpoint.load(single, new_state(ao.AdamW4bit, True), inplace=True)
-    torch.save(values(state), out / f"one_to_two{rank}.pt")
-    torch.save(inner(state), out / f"one_to_two_inner{rank}.pt")
-    return {"kind": type(state.opt_state.slots["exp_avg"]["0.weight"]).__name__}
+    kinds = {}
+    for name, single in singles.items():
+        state, _ = checkpoint.load(single, new_state(getattr(ao, name), True), inplace=True)
+        torch.save(values(state), out / f"one_to_two_{name}{rank}.pt")
+        torch.save(inner(state), out / f"one_to_two_inner_{name}{rank}.pt")
+        kinds[name] = type(state.opt_state.slots["exp_avg"]["0.weight"]).__name__
+    return kinds
 
 
-def run(rank: int, world: int, port: int, out_dir: str, single: str) -> None:
+def run(rank: int, world: int, port: int, out_dir: str, singles: dict[str, str]) -> None:
     join(rank, world, port, "cpu")
     out = Path(out_dir)
     results: dict[str, Any] = {}
     for name, fn in (
         ("resume", lambda: check_resume(rank, out)),
-        ("one_to_two", lambda: check_one_to_two(rank, out, single)),
+        ("one_to_two", lambda: check_one_to_two(rank, out, singles)),
     ):
         try:
             results[name] = fn()

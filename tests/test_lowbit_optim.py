@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 from typing import Any
 
@@ -407,6 +408,18 @@ def requant_bound(qmap: torch.Tensor, scale: torch.Tensor, shape: torch.Size) ->
     return (scale.double() * (h + gamma(4))).repeat_interleave(block).view(shape)
 
 
+def fp8_requant_bound(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The same for a float8 state: a block's values divided by ``s = max|v| / 448``
+    and cast to E4M3 (3 mantissa bits): half a unit in the last place, at most
+    ``|x| * 2**-4`` for a normal ``x = v / s``, ``2**-10`` below the smallest normal
+    (2**-6); times ``s`` on dequantizing: ``max(|v| * 2**-4, s * 2**-10)``, plus the
+    float32 roundings of the division and the product (``gamma(4) * (|v| + s)``)."""
+    block = v.numel() // scale.numel()
+    s = scale.double().repeat_interleave(block).view(v.shape)
+    a = v.double().abs()
+    return torch.maximum(a * 2**-4, s * 2**-10) + gamma(4) * (a + s)
+
+
 def _assert_requantized(
     got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], inner: dict[str, torch.Tensor]
 ) -> int:
@@ -417,7 +430,12 @@ def _assert_requantized(
     for k in got:
         if f"{k}.codes" in inner:
             n += 1
-            bound = requant_bound(inner[f"{k}.qmap"], inner[f"{k}.scale"], got[k].shape)
+            scale = inner[f"{k}.scale"]
+            bound = (
+                requant_bound(inner[f"{k}.qmap"], scale, got[k].shape)
+                if f"{k}.qmap" in inner
+                else fp8_requant_bound(want[k], scale)
+            )
             err = (got[k].double() - want[k].double()).abs()
             assert bool((err <= bound).all()), (k, float((err - bound).max()))
         else:
@@ -425,43 +443,49 @@ def _assert_requantized(
     return n
 
 
+ONE_TO_TWO = ("AdamW4bit", "AdamWFp8")
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_sharded_quantized_states_resume_and_reshard(tmp_path: Any) -> None:
     """FSDP2 on 2 gloo ranks (tests/lowbit_worker.py), torchao's states quantized per
     local shard. On the same 2 ranks: resumed bit for bit (AdamW8bit: codes, scales,
-    parameters). 2 -> 1 (a plain process, AdamW8bit) and 1 -> 2 (AdamW4bit): the
-    values resharded by DCP and requantized by torchao into the new layout; the
+    parameters). 2 -> 1 (a plain process, AdamW8bit) and 1 -> 2 (AdamW4bit, AdamWFp8):
+    the values resharded by DCP and requantized by torchao into the new layout; the
     parameters and step counts bitwise, each moment within its requantization bound."""
     from dist_kit import spawn_group
     from lowbit_worker import batches, inner, loss, new_state, run, values
 
     step = fasttorch.step(loss)
+    singles, wholes = {}, {}
     with torch.compiler.set_stance("force_eager"):
-        single = new_state(ao.AdamW4bit, False)
-        for b in batches(0)[:2]:
-            single, _ = step(single, b)
-    single_path = checkpoint.save(tmp_path / "single", single)
-    results = spawn_group(run, 2, tmp_path, str(single_path), deadline_s=300)
+        for name in ONE_TO_TWO:
+            single = new_state(getattr(ao, name), False)
+            for b in batches(0)[:2]:
+                single, _ = step(single, b)
+            singles[name] = str(checkpoint.save(tmp_path / name, single))
+            wholes[name] = values(single)
+    results = spawn_group(run, 2, tmp_path, singles, deadline_s=300)
     for r, res in enumerate(results):
         for name in ("resume", "one_to_two"):
             assert "exception" not in res[name], f"rank {r} {name}:\n{res[name]['exception']}"
         got = res["resume"]
         assert got["kind"] == "OptimState8bit" and got["keys_equal"], got
         assert got["compared"] > 0 and got["mismatched"] == [], got
-        assert res["one_to_two"]["kind"] == "OptimState4bit"
+        assert res["one_to_two"] == {"AdamW4bit": "OptimState4bit", "AdamWFp8": "OptimStateFp8"}
 
     # 1 -> 2: each rank's values are its rows (FSDP2's dim-0 chunks) of the one process's.
-    whole = values(single)
-    for r in range(2):
-        mine = torch.load(tmp_path / f"one_to_two{r}.pt", weights_only=True)
-        mine_inner = torch.load(tmp_path / f"one_to_two_inner{r}.pt", weights_only=True)
-        del mine[".rng"]  # rank 1, new since the save, keeps its own (checkpoint.load)
-        rows = {
-            k: t if mine[k].shape == t.shape else t.chunk(2)[r]
-            for k, t in whole.items()
-            if k in mine
-        }
-        assert _assert_requantized(mine, rows, mine_inner) == 2  # exp_avg, exp_avg_sq
+    for name in ONE_TO_TWO:
+        for r in range(2):
+            mine = torch.load(tmp_path / f"one_to_two_{name}{r}.pt", weights_only=True)
+            mine_inner = torch.load(tmp_path / f"one_to_two_inner_{name}{r}.pt", weights_only=True)
+            del mine[".rng"]  # rank 1, new since the save, keeps its own (checkpoint.load)
+            rows = {
+                k: t if mine[k].shape == t.shape else t.chunk(2)[r]
+                for k, t in wholes[name].items()
+                if k in mine
+            }
+            assert _assert_requantized(mine, rows, mine_inner) == 2  # exp_avg, exp_avg_sq
 
     # 2 -> 1: a plain process loads the 2 ranks' checkpoint; the ranks' rows concatenated.
     saved = [torch.load(tmp_path / f"saved_values{r}.pt", weights_only=True) for r in range(2)]
@@ -472,3 +496,14 @@ def test_sharded_quantized_states_resume_and_reshard(tmp_path: Any) -> None:
         for k, t in saved[0].items()
     }
     assert _assert_requantized(got, want, inner(loaded)) == 2
+
+
+def test_a_checkpoint_with_a_malformed_quantized_list_is_refused(tmp_path: Any) -> None:
+    """The manifest's ``quantized`` (entry -> class name) is checked before it is used."""
+    path = checkpoint.save(tmp_path, _make_state("AdamW8bit"))
+    mf = path / checkpoint.MANIFEST
+    manifest = json.loads(mf.read_text())
+    manifest["quantized"] = ["opt_state/slots/exp_avg/0.weight"]
+    mf.write_text(json.dumps(manifest))
+    with pytest.raises(checkpoint.CheckpointError, match="'quantized' must map entry names"):
+        checkpoint.load(path, _make_state("AdamW8bit"))
