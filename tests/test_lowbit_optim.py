@@ -507,3 +507,25 @@ def test_a_checkpoint_with_a_malformed_quantized_list_is_refused(tmp_path: Any) 
     mf.write_text(json.dumps(manifest))
     with pytest.raises(checkpoint.CheckpointError, match="'quantized' must map entry names"):
         checkpoint.load(path, _make_state("AdamW8bit"))
+
+
+def test_another_block_size_is_requantized_with_a_warning(tmp_path: Any) -> None:
+    """Saved with AdamW8bit's 256-value blocks, loaded into one with 128-value blocks
+    (one process): not the saved layout, so the values are requantized, with a warning;
+    each within its requantization bound, the parameters bitwise."""
+    from lowbit_worker import inner, values
+
+    state = _make_state("AdamW8bit")
+    step = fasttorch.step(_loss)
+    with torch.compiler.set_stance("force_eager"):
+        for b in _batches()[:2]:
+            state, _ = step(state, b)
+    path = checkpoint.save(tmp_path, state)
+    template = fasttorch.TrainState.create(
+        _model(), optim.from_torchao(ao.AdamW8bit, LR, block_size=128)
+    )
+    with pytest.warns(UserWarning, match="requantized into the template's layout"):
+        loaded, _ = checkpoint.load(path, template)
+    got = inner(loaded)
+    assert got[".opt_state.slots['exp_avg']['0.weight'].scale"].numel() == 64 * 64 // 128
+    assert _assert_requantized(values(loaded), values(state), got) == 4  # 2 weights x 2

@@ -19,13 +19,16 @@ ranks, the leaf a shard in both or neither, and this rank's inner shapes and dty
 those of the checkpoint): the state resumes bit for bit. Elsewhere it reads the
 values, resharded, and requantizes them into the template's own state with torchao's
 ``copy_`` (its quantization, in the template's layout): each value within the
-quantization's own rounding of what was saved (docs/checkpointing.md). What is built,
+quantization's own rounding of what was saved (docs/checkpointing.md); on the same
+ranks with another layout (another block size) it does so with a warning, and a
+leaf of another class (8-bit saved, 4-bit in the template) is refused. What is built,
 and how, comes from the program (the template's class and flatten context), never
 from the checkpoint's files.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -127,6 +130,7 @@ def request_inner(
     same_world = int(manifest["world_size"]) == world
     entries = metadata.state_dict_metadata
     side: dict[str, dict[str, torch.Tensor]] = {}
+    relaid: list[str] = []
     for i, (key, t) in enumerate(zip(keys, leaves)):
         if not is_subclass(t) or key not in quantized or key not in names:
             continue  # a plain value (another layout, or not read): requantized
@@ -148,12 +152,23 @@ def request_inner(
             == v.dtype
             for n, v in inner
         ):
-            continue  # another layout (another class or block size): requantized
+            relaid.append(key)  # another block size: requantized
+            continue
         del request[names[key]]
         del scratch[key]
         side[key] = {n: torch.empty_like(v, device="cpu") for n, v in inner}
         for n in side[key]:
             request[wanted[n]] = side[key][n]
+    if relaid:
+        warnings.warn(
+            f"checkpoint {where}: {relaid} were saved in another quantized layout than "
+            "the template's on the same ranks (another block size?), so their values are "
+            "requantized into the template's layout, within the quantization's rounding, "
+            "not resumed bit for bit. Build the template with the optimizer options that "
+            "saved it to resume exactly",
+            UserWarning,
+            stacklevel=4,
+        )
     return side
 
 
