@@ -41,12 +41,15 @@ FIELD = "quantized"
 
 
 def is_subclass(t: Any) -> bool:
-    """Whether ``t`` is a tensor subclass that flattens into inner tensors (a
-    ``DTensor``, which DCP saves itself, is not one of them)."""
+    """Whether ``t`` is a quantized state: a tensor subclass that flattens into inner
+    tensors and dequantizes itself (torchao's ``OptimState8bit``, ``OptimState4bit``,
+    ``OptimStateFp8``). Other subclasses (a ``DTensor``, a float8 training weight that
+    FSDP2 all-gathers in float8) are saved as the tensors they are, by DCP."""
+    cls = type(t)
     return (
         isinstance(t, torch.Tensor)
-        and hasattr(type(t), "__tensor_flatten__")
-        and type(t).__name__ != "DTensor"
+        and hasattr(cls, "__tensor_flatten__")
+        and getattr(cls, "dequantize", torch.Tensor.dequantize) is not torch.Tensor.dequantize
     )
 
 
