@@ -529,3 +529,17 @@ def test_another_block_size_is_requantized_with_a_warning(tmp_path: Any) -> None
     got = inner(loaded)
     assert got[".opt_state.slots['exp_avg']['0.weight'].scale"].numel() == 64 * 64 // 128
     assert _assert_requantized(values(loaded), values(state), got) == 4  # 2 weights x 2
+
+
+def test_async_save_of_quantized_states_resumes_bit_for_bit(tmp_path: Any) -> None:
+    """checkpoint.async_save stages the values and inner tensors (plain tensors) like
+    any other entry: loaded, every leaf (codes, scales) equals the saved state's."""
+    state = _make_state("AdamWFp8")
+    with torch.compiler.set_stance("force_eager"):
+        state, _ = fasttorch.step(_loss)(state, _batches()[0])
+    path = checkpoint.async_save(tmp_path, state).wait()
+    loaded, _ = checkpoint.load(path, _make_state("AdamWFp8"))
+    ours, theirs = _leaves(loaded), _leaves(state)
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        torch.testing.assert_close(ours[k], theirs[k], **EXACT, msg=k)
