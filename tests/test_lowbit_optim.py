@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import math
 from typing import Any
 
 import pytest
 import torch
-from tolerance import EXACT
+from tolerance import EXACT, gamma
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 
 import fasttorch
 from fasttorch import checkpoint, optim
@@ -230,10 +233,12 @@ def test_checkpoint_resumes_bit_for_bit(tmp_path: Any, inplace: bool) -> None:
     for k in ours:
         torch.testing.assert_close(ours[k], theirs[k], **EXACT, msg=k)
     manifest = checkpoint.verify(path)
-    assert manifest["entries"]["opt_state/slots/exp_avg/0.weight/codes"] == {
-        "shape": [64 * 64 // 2],  # two 4-bit codes a byte, flat
-        "dtype": "uint8",
-    }
+    key = "opt_state/slots/exp_avg/0.weight"
+    assert manifest["entries"][key] == {"shape": [64, 64], "dtype": "float32"}  # its values
+    assert key in manifest["quantized"]
+    meta = FileSystemReader(path).read_metadata().state_dict_metadata  # our own file
+    codes = meta[f"{key}/codes"]  # what the load read: two 4-bit codes a byte, flat
+    assert (list(codes.size), codes.properties.dtype) == ([64 * 64 // 2], torch.uint8)
 
 
 def _leaves(state: fasttorch.TrainState) -> dict[str, torch.Tensor]:
@@ -256,24 +261,6 @@ def test_checkpoint_refuses_another_optimizer(tmp_path: Any) -> None:
         checkpoint.load(path, fasttorch.TrainState.create(_model(), optim.adamw(LR)))
     with pytest.raises(checkpoint.CheckpointMismatchError, match="exp_avg/0.weight"):
         checkpoint.load(path, _make_state("AdamW4bit"))
-
-
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_sharded_quantized_states_are_refused_by_checkpoints(tmp_path: Any) -> None:
-    """On 2 gloo ranks (FSDP2): the states are quantized per local shard, and a
-    checkpoint refuses them, on every rank, before writing anything: their layout
-    depends on the number of ranks (tests/lowbit_worker.py)."""
-    from dist_kit import spawn_group
-    from lowbit_worker import run
-
-    results = spawn_group(run, 2, tmp_path, deadline_s=300)
-    for r, res in enumerate(results):
-        got = res["refusals"]
-        assert "exception" not in got, f"rank {r}:\n{got['exception']}"
-        assert got["kind"] == "OptimState8bit"
-        for api in ("save", "load"):
-            assert got[api] is not None and "cannot reshard" in got[api], (r, api, got[api])
-        assert got["nothing_written"]
 
 
 def test_cpu_offload_is_refused_on_a_cpu_as_torchao_refuses_it() -> None:
@@ -403,3 +390,156 @@ def test_composes_with_skip_nonfinite_accumulation_and_unused_parameters(
         a, b = state.opt_state.slots["exp_avg_sq"][n], theirs["exp_avg_sq"]
         for inner in getattr(a, "tensor_attrs", ()):
             assert torch.equal(getattr(a, inner), getattr(b, inner)), (n, inner)
+
+
+def requant_bound(qmap: torch.Tensor, scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Per value, how far torchao's requantization of values ``v`` into an 8-bit or
+    4-bit state (code map ``qmap``, new block scales ``scale``) may move them. A block's
+    values are divided by its new scale ``s = max|v|`` (into [-1, 1], or [0, 1] for a
+    second moment) and rounded to the nearest code of the map: at most half the widest
+    gap between neighbouring codes, or the distance from the domain's end to the
+    outermost code, ``h``; dequantized, ``|deq - v| <= s * h``, plus four float32
+    roundings of values at most ``s`` (the division, the rounding test's subtraction
+    and halving, the product on dequantizing): ``s * (h + gamma(4))``."""
+    q = qmap.double()
+    lo = -1.0 if float(q[0]) < 0 else 0.0
+    h = max(float((q[1:] - q[:-1]).max()) / 2, float(q[0]) - lo, 1.0 - float(q[-1]))
+    block = math.prod(shape) // scale.numel()
+    return (scale.double() * (h + gamma(4))).repeat_interleave(block).view(shape)
+
+
+def fp8_requant_bound(v: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The same for a float8 state: a block's values divided by ``s = max|v| / 448``
+    and cast to E4M3 (3 mantissa bits): half a unit in the last place, at most
+    ``|x| * 2**-4`` for a normal ``x = v / s``, ``2**-10`` below the smallest normal
+    (2**-6); times ``s`` on dequantizing: ``max(|v| * 2**-4, s * 2**-10)``, plus the
+    float32 roundings of the division and the product (``gamma(4) * (|v| + s)``)."""
+    block = v.numel() // scale.numel()
+    s = scale.double().repeat_interleave(block).view(v.shape)
+    a = v.double().abs()
+    return torch.maximum(a * 2**-4, s * 2**-10) + gamma(4) * (a + s)
+
+
+def _assert_requantized(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], inner: dict[str, torch.Tensor]
+) -> int:
+    """Plain leaves bitwise; each quantized one (``inner`` has its ``.codes``) within
+    its requantization bound. Returns how many were quantized."""
+    assert got.keys() == want.keys()
+    n = 0
+    for k in got:
+        if f"{k}.codes" in inner:
+            n += 1
+            scale = inner[f"{k}.scale"]
+            bound = (
+                requant_bound(inner[f"{k}.qmap"], scale, got[k].shape)
+                if f"{k}.qmap" in inner
+                else fp8_requant_bound(want[k], scale)
+            )
+            err = (got[k].double() - want[k].double()).abs()
+            assert bool((err <= bound).all()), (k, float((err - bound).max()))
+        else:
+            torch.testing.assert_close(got[k], want[k], **EXACT, msg=k)
+    return n
+
+
+ONE_TO_TWO = ("AdamW4bit", "AdamWFp8")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_sharded_quantized_states_resume_and_reshard(tmp_path: Any) -> None:
+    """FSDP2 on 2 gloo ranks (tests/lowbit_worker.py), torchao's states quantized per
+    local shard. On the same 2 ranks: resumed bit for bit (AdamW8bit: codes, scales,
+    parameters). 2 -> 1 (a plain process, AdamW8bit) and 1 -> 2 (AdamW4bit, AdamWFp8):
+    the values resharded by DCP and requantized by torchao into the new layout; the
+    parameters and step counts bitwise, each moment within its requantization bound."""
+    from dist_kit import spawn_group
+    from lowbit_worker import batches, inner, loss, new_state, run, values
+
+    step = fasttorch.step(loss)
+    singles, wholes = {}, {}
+    with torch.compiler.set_stance("force_eager"):
+        for name in ONE_TO_TWO:
+            single = new_state(getattr(ao, name), False)
+            for b in batches(0)[:2]:
+                single, _ = step(single, b)
+            singles[name] = str(checkpoint.save(tmp_path / name, single))
+            wholes[name] = values(single)
+    results = spawn_group(run, 2, tmp_path, singles, deadline_s=300)
+    for r, res in enumerate(results):
+        for name in ("resume", "one_to_two"):
+            assert "exception" not in res[name], f"rank {r} {name}:\n{res[name]['exception']}"
+        got = res["resume"]
+        assert got["kind"] == "OptimState8bit" and got["keys_equal"], got
+        assert got["compared"] > 0 and got["mismatched"] == [], got
+        assert res["one_to_two"] == {"AdamW4bit": "OptimState4bit", "AdamWFp8": "OptimStateFp8"}
+
+    # 1 -> 2: each rank's values are its rows (FSDP2's dim-0 chunks) of the one process's.
+    for name in ONE_TO_TWO:
+        for r in range(2):
+            mine = torch.load(tmp_path / f"one_to_two_{name}{r}.pt", weights_only=True)
+            mine_inner = torch.load(tmp_path / f"one_to_two_inner_{name}{r}.pt", weights_only=True)
+            del mine[".rng"]  # rank 1, new since the save, keeps its own (checkpoint.load)
+            rows = {
+                k: t if mine[k].shape == t.shape else t.chunk(2)[r]
+                for k, t in wholes[name].items()
+                if k in mine
+            }
+            assert _assert_requantized(mine, rows, mine_inner) == 2  # exp_avg, exp_avg_sq
+
+    # 2 -> 1: a plain process loads the 2 ranks' checkpoint; the ranks' rows concatenated.
+    saved = [torch.load(tmp_path / f"saved_values{r}.pt", weights_only=True) for r in range(2)]
+    loaded, _ = checkpoint.load(results[0]["resume"]["path"], new_state(ao.AdamW8bit, False))
+    got = values(loaded)
+    want = {
+        k: t if got[k].shape == t.shape else torch.cat([s[k] for s in saved])
+        for k, t in saved[0].items()
+    }
+    assert _assert_requantized(got, want, inner(loaded)) == 2
+
+
+def test_a_checkpoint_with_a_malformed_quantized_list_is_refused(tmp_path: Any) -> None:
+    """The manifest's ``quantized`` (entry -> class name) is checked before it is used."""
+    path = checkpoint.save(tmp_path, _make_state("AdamW8bit"))
+    mf = path / checkpoint.MANIFEST
+    manifest = json.loads(mf.read_text())
+    manifest["quantized"] = ["opt_state/slots/exp_avg/0.weight"]
+    mf.write_text(json.dumps(manifest))
+    with pytest.raises(checkpoint.CheckpointError, match="'quantized' must map entry names"):
+        checkpoint.load(path, _make_state("AdamW8bit"))
+
+
+def test_another_block_size_is_requantized_with_a_warning(tmp_path: Any) -> None:
+    """Saved with AdamW8bit's 256-value blocks, loaded into one with 128-value blocks
+    (one process): not the saved layout, so the values are requantized, with a warning;
+    each within its requantization bound, the parameters bitwise."""
+    from lowbit_worker import inner, values
+
+    state = _make_state("AdamW8bit")
+    step = fasttorch.step(_loss)
+    with torch.compiler.set_stance("force_eager"):
+        for b in _batches()[:2]:
+            state, _ = step(state, b)
+    path = checkpoint.save(tmp_path, state)
+    template = fasttorch.TrainState.create(
+        _model(), optim.from_torchao(ao.AdamW8bit, LR, block_size=128)
+    )
+    with pytest.warns(UserWarning, match="requantized into the template's layout"):
+        loaded, _ = checkpoint.load(path, template)
+    got = inner(loaded)
+    assert got[".opt_state.slots['exp_avg']['0.weight'].scale"].numel() == 64 * 64 // 128
+    assert _assert_requantized(values(loaded), values(state), got) == 4  # 2 weights x 2
+
+
+def test_async_save_of_quantized_states_resumes_bit_for_bit(tmp_path: Any) -> None:
+    """checkpoint.async_save stages the values and inner tensors (plain tensors) like
+    any other entry: loaded, every leaf (codes, scales) equals the saved state's."""
+    state = _make_state("AdamWFp8")
+    with torch.compiler.set_stance("force_eager"):
+        state, _ = fasttorch.step(_loss)(state, _batches()[0])
+    path = checkpoint.async_save(tmp_path, state).wait()
+    loaded, _ = checkpoint.load(path, _make_state("AdamWFp8"))
+    ours, theirs = _leaves(loaded), _leaves(state)
+    assert ours.keys() == theirs.keys()
+    for k in ours:
+        torch.testing.assert_close(ours[k], theirs[k], **EXACT, msg=k)

@@ -19,7 +19,6 @@ from torch.distributed.tensor import DTensor
 
 from fasttorch import _compat, struct
 from fasttorch.checkpoint._errors import CheckpointError, CheckpointMismatchError
-from fasttorch.checkpoint._subclasses import Spec, expand, is_subclass
 from fasttorch.distributed.fsdp import sharded_leaves
 from fasttorch.state import TrainState, is_sharded
 from fasttorch.substates import per_rank_keys
@@ -77,21 +76,9 @@ def _is_per_rank(key: str, per_rank: tuple[str, ...] = PER_RANK) -> bool:
     return any(key == p or key.startswith(p + "/") for p in per_rank)
 
 
-# Why a sharded state with quantized leaves is refused (checkpoint._subclasses).
-_SHARDED_SUBCLASS = (
-    "the state is sharded with FSDP2 and holds tensor subclasses (torchao's quantized "
-    "optimizer states), which a checkpoint cannot reshard: torchao quantizes each rank's "
-    "local shard by its own size (a shard of fewer than 4096 values, or not a multiple "
-    "of the block size, stays float32), so the same parameter's state has a different "
-    "layout on another number of ranks, and its blocks of values and their scales do not "
-    "follow the parameter's shards. Save the state unsharded (one process), or train the "
-    "sharded model with a float32 optimizer (fasttorch.optim.adamw)"
-)
-
-
-def _flatten(state: TrainState) -> tuple[list[str], list[Any], Spec]:
-    """Clean keys, leaves and spec of ``state``; a tensor subclass leaf (torchao's
-    quantized optimizer states) is its inner tensors (``checkpoint._subclasses``)."""
+def _flatten(state: TrainState) -> tuple[list[str], list[Any], Any]:
+    """Clean keys, leaves and tree spec of ``state`` (a tensor subclass leaf, torchao's
+    quantized optimizer state, is one leaf: ``checkpoint._subclasses``)."""
     prefixes = _wrapper_prefixes(state.module)
     rename = {n: _clean(n, prefixes) for n in (*state.params, *state.buffers)}
     if len(set(rename.values())) != len(rename):
@@ -102,18 +89,13 @@ def _flatten(state: TrainState) -> tuple[list[str], list[Any], Spec]:
     pairs, tree = pytree.tree_flatten_with_path(state)
     keys = ["/".join(_part(k, rename) for k in path) for path, _ in pairs]
     leaves = [leaf for _, leaf in pairs]
-    spec = Spec(tree, leaves)
-    if any(is_subclass(leaf) for leaf in leaves):
-        if is_sharded(state.module):
-            raise CheckpointError(_SHARDED_SUBCLASS)
-        keys, leaves = expand(keys, leaves)
     for key, leaf in zip(keys, leaves):
         if not isinstance(leaf, torch.Tensor):
             raise CheckpointError(
                 f"state entry {key!r} is a {type(leaf).__name__}; every leaf of a "
                 "TrainState must be a tensor (keep Python values in static fields)"
             )
-    return keys, leaves, spec
+    return keys, leaves, tree
 
 
 def _describe(t: torch.Tensor, like: DTensor | None = None) -> dict[str, Any]:

@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any, overload
 
 import torch
+import torch.utils._pytree as pytree
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.tensor import DTensor
 
+from fasttorch.checkpoint import _subclasses as subclasses
 from fasttorch.checkpoint._directory import latest
 from fasttorch.checkpoint._errors import (
     CheckpointError,
@@ -40,7 +42,6 @@ from fasttorch.checkpoint._read import (
     _reader,
     _unsafe,
 )
-from fasttorch.checkpoint._subclasses import Spec
 from fasttorch.distributed.fsdp import as_dtensor
 from fasttorch.models import Models
 from fasttorch.state import TrainState, check_alive, is_sharded, mark_donated
@@ -218,9 +219,14 @@ def load(
             stacklevel=2,
         )
     scratch, request = _request(src, keys, leaves, shards, inplace)
+    with _as_checkpoint_error(f"checkpoint.load of {str(p)!r}"):
+        side = subclasses.request_inner(
+            src.manifest, src.reader.read_metadata(), keys, leaves, shards, src.names,
+            scratch, request, _rank_world(), repr(str(p)),
+        )  # fmt: skip
     _read(p, request, src.reader, trusted=trust_pickled, collective=_distributed())
     statics = src.manifest["statics"]
-    state = _place(template, keys, leaves, spec, scratch, statics, inplace=inplace)
+    state = _place(template, keys, leaves, spec, scratch, statics, inplace=inplace, side=side)
     return state, _data(src, request, p)
 
 
@@ -319,10 +325,10 @@ def _request(
         if key not in src.names:
             continue
         if i in shards:
-            scratch[key] = torch.empty_like(t)
+            scratch[key] = subclasses.empty_like(t)
             request[src.names[key]] = as_dtensor(scratch[key], shards[i])
         else:
-            scratch[key] = torch.empty_like(t, device="cpu") if inplace else torch.empty_like(t)
+            scratch[key] = subclasses.empty_like(t, "cpu" if inplace else None)
             request[src.names[key]] = scratch[key]
     if not src.kept:  # a rank new since the save has no data either
         request[src.data_key] = (
@@ -337,22 +343,28 @@ def _place(
     template: TrainState,
     keys: list[str],
     leaves: list[Any],
-    spec: Spec,
+    spec: Any,
     scratch: dict[str, torch.Tensor],
     statics: dict[str, Any],
     *,
     inplace: bool,
+    side: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> TrainState:
     """The loaded state: the template's own tensors updated (inplace), or new ones,
-    with the saved static fields."""
+    with the saved static fields; a quantized state by ``subclasses.place``."""
+    plain = [not subclasses.is_subclass(t) for t in leaves]
     if inplace:
-        for key, t in zip(keys, leaves):
-            if key in scratch:
+        for key, t, p in zip(keys, leaves, plain):
+            if key in scratch and p:
                 t.detach().copy_(scratch[key])
         targets = leaves
     else:
-        targets = [scratch[k] if k in scratch else t.detach().clone() for k, t in zip(keys, leaves)]
-    state: TrainState = spec.unflatten(targets)
+        targets = [
+            scratch[k] if k in scratch else t.detach().clone() if p else t
+            for k, t, p in zip(keys, leaves, plain)
+        ]
+    targets = subclasses.place(keys, leaves, targets, scratch, side or {}, inplace=inplace)
+    state: TrainState = pytree.tree_unflatten(targets, spec)
     state = _restore_statics(state, "", statics)
     if inplace:
         mark_donated(template, "checkpoint.load(..., inplace=True)")

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 
 from fasttorch import _checks
+from fasttorch.checkpoint import _subclasses as subclasses
 from fasttorch.checkpoint._directory import (
     _OLD,
     _TMP,
@@ -157,10 +158,12 @@ def _plan_write(
     per_rank = _per_rank(state)
     tensors: dict[str, Any] = {}
     for i, (key, leaf) in enumerate(zip(keys, leaves)):
+        leaf = subclasses.values(leaf)  # a quantized state's values (its codes: below)
         if i in shards:  # DCP writes this rank's part of the whole tensor under its key
             tensors[key] = as_dtensor(leaf.detach(), shards[i])
         else:
             tensors[f"rank{rank}/{key}" if _is_per_rank(key, per_rank) else key] = leaf.detach()
+    tensors.update(subclasses.inner_tensors(keys, leaves, shards, rank))
     tensors[f"rank{rank}/{_DATA}"] = blob
     statics: dict[str, Any] = {}
     _statics(state, "", statics)
@@ -175,6 +178,7 @@ def _plan_write(
         "entries": {k: _describe(t, shards.get(i)) for i, (k, t) in enumerate(zip(keys, leaves))},
         "per_rank": [k for k in keys if _is_per_rank(k, per_rank)],
         "sharded": [keys[i] for i in sorted(shards)],
+        subclasses.FIELD: subclasses.saved(keys, leaves),
         **_export_keys(state),
         "metric": metric,
     }
