@@ -1,44 +1,483 @@
-"""``TrainState``: everything a training step reads and writes, as one immutable pytree.
+"""``TrainState`` and what a call knows beside it: the module, the call scope, the RNG.
 
-And its life: creation from a module, the check that its tensors fit that module, and
-donation (a step's results written into the input state's tensors, which then die).
+``TrainState`` is everything a training step reads and writes, as one immutable pytree,
+and its life: creation from a module, the check that its tensors fit that module, and
+donation (``commit``: a step's results written into the input state's tensors, which
+then die; :class:`DonatedStateError`). ``fasttorch.state`` is its public face.
+
+Below it, in reading order, what the state needs and nothing above it:
+
+* the user's ``nn.Module`` (:func:`training_modes`, :func:`evaluating`, FSDP2's shards
+  :func:`is_sharded`, :func:`reshard`, :func:`local_tensor`, tied weights,
+  :func:`call_with`): host-side facts about the template the state's tensors run in;
+* the call scope (:class:`CallScope`, :func:`current`, :func:`scope`, :func:`begin`):
+  how the running eager call goes, the one piece of context the phases read. A
+  contextvar, not an argument, because the driver must tell the innermost phases how
+  this call runs (its state is donated; its backward adds into the module's ``.grad``)
+  without every transform in between threading a value it never reads. Graphs never
+  read it: each reader checks ``torch.compiler.is_compiling()`` first;
+* the state's RNG (:func:`scoped_rng`, :func:`draw_`): a generator state carried as a
+  tensor leaf. A step installs it on the global generator of the parameters' device
+  before it runs, reads the advanced state afterwards into the new ``TrainState``, and
+  puts the caller's generator back, so the same ``(state, batch)`` gives the same
+  result and the user's own random stream is left untouched (host bookkeeping, outside
+  any graph, not a device sync). A population (``fasttorch.vmapped``) carries one
+  generator state per member, stacked: its random ops call :func:`draw_`, which takes
+  the member's own state and advances it, so member ``i`` draws exactly what a single
+  model with that generator state draws.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+import sys
 import weakref
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, TypeAlias
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from fasttorch import _scope, struct
-from fasttorch._module import Ties, call_with, record_modes, tied_names
-from fasttorch._module import evaluating as evaluating
-from fasttorch._module import is_sharded as is_sharded
-from fasttorch._module import local_tensor as local_tensor
-from fasttorch._module import reshard as reshard
-from fasttorch._module import training_modes as training_modes
-from fasttorch._rng import default_seed, initial_rng_state
+from fasttorch import _checks, _compat, struct
 from fasttorch.substates import any_declares
 
 if TYPE_CHECKING:
     from fasttorch.optim import Optimizer, OptState
 
 __all__ = [
+    "CallScope",
     "DonatedStateError",
+    "Progress",
+    "Ties",
     "TrainState",
+    "begin",
+    "call_with",
     "check_template",
     "commit",
+    "current",
     "default_seed",
+    "draw_",
     "evaluating",
+    "imported_class",
+    "initial_rng_state",
     "is_sharded",
     "kept_leaves",
     "local_tensor",
+    "record_modes",
     "reshard",
+    "restore_training",
+    "scope",
+    "scoped_rng",
+    "set_modes",
+    "tied_names",
     "training_modes",
 ]
+
+
+# --------------------------------------------------------------------------- the module
+
+
+def imported_class(module: str, name: str) -> Any:
+    """Class ``name`` of ``module`` if that module was imported, else ``()`` (which no
+    object is an instance of).
+
+    FSDP2's ``FSDPModule`` and ``DTensor`` are looked up, not imported: importing
+    ``torch.distributed.fsdp`` costs about 1.4 s (it brings ``torch.distributed.tensor``),
+    a third of ``import fasttorch``, and a module can be sharded, or a tensor a
+    ``DTensor``, only once the program imported them. A torch built without
+    distributed support has neither.
+    """
+    found = sys.modules.get(module)
+    return () if found is None else getattr(found, name, ())
+
+
+def training_modes(module: nn.Module) -> tuple[bool, ...]:
+    """Each submodule's ``training`` flag, in ``module.modules()`` order."""
+    return tuple(m.training for m in module.modules())
+
+
+def set_modes(module: nn.Module, modes: tuple[bool, ...]) -> None:
+    """Give each submodule the flag ``training_modes`` read (``module.train()`` when the
+    module's structure changed since)."""
+    subs = list(module.modules())
+    if len(subs) != len(modes):
+        module.train()
+        return
+    for m, mode in zip(subs, modes):
+        m.training = mode
+
+
+def restore_training(module: nn.Module) -> None:
+    """Put a module left in evaluation mode back in the modes it was trained in.
+
+    An evaluation (``module.eval()``) switches every submodule off; what the user froze
+    (a BatchNorm in ``eval()``) was recorded by ``TrainState.create`` and stays frozen.
+    """
+    modes = _MODES.get(module)
+    if modes is None:
+        module.train()
+    else:
+        set_modes(module, modes)
+
+
+def record_modes(module: nn.Module) -> None:
+    """Remember each submodule's mode, the modes steps train ``module`` in
+    (``TrainState.create``; :func:`restore_training` puts them back)."""
+    _MODES[module] = training_modes(module)
+
+
+@contextlib.contextmanager
+def evaluating(module: nn.Module) -> Iterator[None]:
+    """Run the block with ``module`` in evaluation mode; each submodule's own mode after."""
+    modes = training_modes(module)
+    module.eval()
+    try:
+        yield
+    finally:
+        set_modes(module, modes)
+
+
+_MODES: weakref.WeakKeyDictionary[nn.Module, tuple[bool, ...]] = weakref.WeakKeyDictionary()
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` was sharded with FSDP2's ``fully_shard`` (its root or a child)."""
+    found = _SHARDED.get(module)
+    if found is None:
+        kind = imported_class("torch.distributed.fsdp", "FSDPModule")
+        found = _SHARDED[module] = any(isinstance(m, kind) for m in module.modules())
+    return found
+
+
+def reshard(module: nn.Module) -> None:
+    """Free the unsharded parameters FSDP2 still holds for ``module`` (no-op otherwise).
+
+    After a forward without backward (evaluation, ``TrainState.apply``, sampling),
+    FSDP2 keeps the root's parameters unsharded, waiting for a backward that never
+    comes: the module's parameters are then plain tensors, not the state's shards.
+    Resharding puts the shards (the state's own storage) back and frees the rest.
+    """
+    if is_sharded(module):
+        kind = imported_class("torch.distributed.fsdp", "FSDPModule")
+        for m in module.modules():
+            if isinstance(m, kind):
+                m.reshard()
+
+
+_SHARDED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def local_tensor(p: torch.Tensor) -> torch.Tensor:
+    """``p`` detached; for a ``DTensor``, this rank's shard (the same storage)."""
+    if isinstance(p, imported_class("torch.distributed.tensor", "DTensor")):
+        with torch.no_grad():
+            local: torch.Tensor = p.to_local().detach()
+            return local
+    return p.detach()
+
+
+Ties: TypeAlias = tuple[tuple[str, str], ...]
+"""``(alias, name)`` pairs: a tensor the module holds under ``alias`` and, first, ``name``."""
+
+
+def tied_names(module: nn.Module) -> Ties:
+    """Each name of ``module``'s parameters and buffers whose tensor an earlier name holds.
+
+    A tied weight (a GPT's head and its token embedding) is one tensor under two names;
+    ``named_parameters()`` lists it under the first only, as a state keeps it. Parameters
+    come before buffers, in ``named_parameters``' order.
+
+    Example:
+        >>> m = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
+        >>> m["b"].weight = m["a"].weight
+        >>> tied_names(m)
+        (('b.weight', 'a.weight'),)
+    """
+    first: dict[int, str] = {}
+    pairs = []
+    for name, t in (
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ):
+        if first.setdefault(id(t), name) != name:
+            pairs.append((name, first[id(t)]))
+    return tuple(pairs)
+
+
+def call_with(
+    module: nn.Module,
+    tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
+    ties: Ties | None,
+    args: Any,
+    kwargs: Any,
+) -> Any:
+    """``torch.func.functional_call(module, tensors, args, kwargs)``, with known ties.
+
+    ``functional_call`` finds every other name of each tensor it swaps in by walking all
+    submodules' parameters and buffers on each call, so that a tied weight is swapped
+    under each of its names. Dynamo traces that walk in every compiled step (about 2 s of
+    a 12-layer GPT step's tracing, 2026-11-27). Given the module's ``ties``, recorded
+    once by ``TrainState.create`` (:func:`tied_names`), the aliases are added here and the
+    walk is skipped (``tie_weights=False``): the same tensors under the same names.
+    ``ties=None`` (not known) walks as before.
+    """
+    if ties is None:
+        return torch.func.functional_call(module, tensors, args, kwargs)
+    params, buffers = tensors
+    named = {**params, **buffers}
+    named.update({alias: named[name] for alias, name in ties if name in named})
+    return torch.func.functional_call(module, named, args, kwargs, tie_weights=False)
+
+
+# --------------------------------------------------------------------------- the call scope
+
+
+@dataclasses.dataclass(frozen=True)
+class CallScope:
+    """``in_place``: the call donates its state, so phases may update its tensors in place.
+    ``into``: an eager accumulation window whose backward adds into the module's ``.grad``
+    (a :class:`fasttorch.phases.IntoGrad`), or ``None``. ``progress``: the driver's
+    :class:`Progress` of the call. ``state_window``: the accumulation window the call
+    adds into is the state's own (across calls), not a scratch one.
+    """
+
+    in_place: bool = False
+    into: Any = None
+    progress: Progress | None = None
+    state_window: bool = False
+
+
+class Progress:
+    """Whether the running call may have written into its donated state (``began``).
+
+    Set outside any graph where a write can begin: an eager update phase that updates
+    in place, an eager commit's copies, an accumulation window added into in place,
+    a compiled kernel that ran (or failed while running). The driver marks a donated
+    input state dead when a call fails after that point. An error raised earlier (by
+    the loss function, by a compiler refusing a graph, by validation) leaves it usable;
+    only buffers the eager forward updated in place (BatchNorm statistics) may differ.
+    """
+
+    began: bool = False
+
+
+def begin() -> None:
+    """Note that the running call may write its donated state now (outside any graph)."""
+    progress = _SCOPE.get().progress
+    if progress is not None:
+        progress.began = True
+
+
+_SCOPE: contextvars.ContextVar[CallScope] = contextvars.ContextVar(
+    "fasttorch_call_scope",
+    default=CallScope(),  # noqa: B039 (frozen: never changed, only replaced)
+)
+
+
+def current() -> CallScope:
+    """The scope of the running call (the default one outside any call)."""
+    return _SCOPE.get()
+
+
+@contextlib.contextmanager
+def scope(**changes: Any) -> Iterator[CallScope]:
+    """Run the block with the current scope's fields changed as given."""
+    new = dataclasses.replace(_SCOPE.get(), **changes)
+    token = _SCOPE.set(new)
+    try:
+        yield new
+    finally:
+        _SCOPE.reset(token)
+
+
+def kernel_ran(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, a compiled kernel, noting in the call scope that it may have written.
+
+    A kernel that ran, or failed while running, may have written into the donated
+    state (a counter's increment scheduled before the failing kernel). One that the
+    compiler refused (a trace or compile error, a shape error found while tracing)
+    ran nothing: the call scope is left as it was.
+    """
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException as e:
+            # compiled re-raises the user's own error found while tracing from dynamo's
+            if not (_compat.is_compile_error(e) or _compat.is_compile_error(e.__cause__)):
+                begin()
+            raise
+        begin()
+        return out
+
+    return run
+
+
+# --------------------------------------------------------------------------- the RNG
+
+
+def initial_rng_state(device: torch.device, seed: int) -> torch.Tensor:
+    """The generator state of ``device``'s generator seeded with ``seed``."""
+    # torch.Generator.manual_seed takes 64 bits; beyond that it says "Overflow when unpacking".
+    if not _checks.is_int(seed):
+        raise TypeError(f"TrainState.create: seed must be an int, got {seed!r}")
+    if not -(2**63) <= seed < 2**64:
+        raise ValueError(
+            f"TrainState.create: seed={seed} does not fit in 64 bits; valid seeds are "
+            "-2**63 <= seed < 2**64 (as torch.manual_seed). Reduce it, e.g. seed % 2**64"
+        )
+    return torch.Generator(device=device).manual_seed(seed).get_state()
+
+
+def _accessors(
+    device: torch.device,
+) -> tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]]:
+    if device.type == "cpu":
+        return torch.get_rng_state, torch.set_rng_state
+    if device.type == "cuda":
+        return (
+            lambda: torch.cuda.get_rng_state(device),
+            lambda s: torch.cuda.set_rng_state(s, device),
+        )
+    module = getattr(torch, device.type, None)
+    if module is None or not hasattr(module, "get_rng_state"):
+        raise NotImplementedError(f"fasttorch cannot scope the RNG of device {device}")
+    return (
+        lambda: module.get_rng_state(device),
+        lambda s: module.set_rng_state(s, device),
+    )
+
+
+def _snapshot(
+    device: torch.device, get: Callable[[], torch.Tensor], put: Callable[[torch.Tensor], None]
+) -> Callable[[], None]:
+    """Save the caller's generator state; return what puts it back.
+
+    On CPU the generator is copied as a generator (``clone_state``), not read out as a
+    5 KB tensor that would stay allocated for the whole step.
+    """
+    if device.type == "cpu" and hasattr(torch.default_generator, "clone_state"):
+        saved_gen = torch.default_generator.clone_state()
+
+        def restore() -> None:
+            torch.default_generator.set_state(saved_gen.get_state())
+
+        return restore
+    saved = get()
+    return lambda: put(saved)
+
+
+@contextmanager
+def scoped_rng(
+    state_rng: torch.Tensor, device: torch.device, *, install: bool = True
+) -> Iterator[Callable[[], torch.Tensor | None]]:
+    """Install ``state_rng`` on ``device``; yield a getter of the advanced state.
+
+    ``install=False`` (a state whose random ops draw from its own generators, with
+    :func:`draw_`): nothing is installed and the getter returns ``None``.
+    """
+    if not install:
+        yield lambda: None
+        return
+    get, put = _accessors(device)
+    restore = _snapshot(device, get, put)
+    put(state_rng)
+    try:
+        yield get
+    finally:
+        restore()
+
+
+@torch.library.custom_op("fasttorch::draw_", mutates_args=("rng",))
+def draw_(
+    rng: torch.Tensor,
+    kind: str,
+    shape: list[int],
+    p: float,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """A tensor of ``shape`` drawn from the generator state ``rng``, which is advanced.
+
+    ``kind``: ``"bernoulli"`` (probability ``p``: the noise of ``F.dropout``),
+    ``"uniform"`` (``torch.rand``) or ``"normal"`` (``torch.randn``). The draw is the
+    very kernel call a single model makes on its global generator
+    (``torch.empty(shape).bernoulli_(p)``, ``uniform_()``, ``normal_()``), on a
+    generator holding ``rng``; ``rng`` then holds the advanced state. Under
+    ``torch.func.vmap`` each member's state is used in turn (the batching rule below),
+    so the members' draws are those of independent runs. An opaque operator to
+    ``torch.compile`` (a custom op): compiled and eager steps draw the same bits.
+    """
+    gen = torch.Generator(device=device)
+    # set_state of a view with a storage offset (a member's row) crashes torch 2.13:
+    # a fresh copy.
+    gen.set_state(rng.detach().clone())
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if kind == "bernoulli":
+        out.bernoulli_(p, generator=gen)
+    elif kind == "uniform":
+        out.uniform_(generator=gen)
+    else:
+        out.normal_(generator=gen)
+    rng.copy_(gen.get_state())
+    return out
+
+
+@draw_.register_fake
+def _draw_fake(
+    rng: torch.Tensor,
+    kind: str,
+    shape: list[int],
+    p: float,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _draw_per_member(
+    info: Any,
+    in_dims: tuple[int | None, ...],
+    rng: torch.Tensor,
+    kind: str,
+    shape: list[int],
+    p: float,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, int]:
+    """``draw_``'s vmap rule: each member draws from its own row of ``rng``."""
+    dim = in_dims[0]
+    if dim is None:
+        raise ValueError(
+            "fasttorch: a random op under vmap was given one generator state for all "
+            "members; a population keeps one per member (fasttorch.create_population)"
+        )
+    rows = rng.movedim(dim, 0)
+    draws = [draw_(rows[i], kind, shape, p, dtype, device) for i in range(info.batch_size)]
+    return torch.stack(draws), 0
+
+
+draw_.register_vmap(_draw_per_member)
+
+
+def default_seed() -> int:
+    """The seed of a state's generator when none is given: from ``torch.initial_seed()``.
+
+    The seed of torch's global generator (that of the last ``torch.manual_seed``), so a
+    seed sweep gets different dropout masks, mixed (splitmix64) so that the state's
+    stream is not the very stream that initialized the model's weights.
+    """
+    z = (torch.initial_seed() + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+# --------------------------------------------------------------------------- the state
 
 _DONATED = "_fasttorch_donated"
 _FAILED = "_fasttorch_failed"
@@ -63,7 +502,7 @@ class TrainState(struct.Record):
         buffers: buffers (BatchNorm running statistics) and frozen parameters.
         opt_state: the optimizer's state, hyperparameters included as 0-d tensors.
         step: number of optimizer steps taken (skipped ones included); schedules read it.
-        rng: the generator state of the parameters' device (see ``fasttorch._rng``).
+        rng: the generator state of the parameters' device (see ``fasttorch.state``).
         substates: per-transform state, by the key each transform declares.
         module: the template module (static).
         optimizer: the functional optimizer (static).
@@ -404,7 +843,7 @@ def commit(donate: bool, old: Any, new: Any) -> Any:
     if len(dst) > 0 and compiling:  # the compiler makes its own kernels for the copies
         torch._foreach_copy_(dst, src)
     elif len(dst) > 0:
-        _scope.begin()  # a failure from here on leaves the donated state part-written
+        begin()  # a failure from here on leaves the donated state part-written
         _copy_by_dtype(dst, src)
     return out
 

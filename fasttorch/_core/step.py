@@ -1,85 +1,669 @@
-"""A training step: the :class:`Step` record, :func:`step`, wrap checks and the driver.
+"""One call of a step, top to bottom: the :class:`Step` record, the driver, the window.
 
-A :class:`Step` is ``(state, batch) -> (state, metrics)``. It holds three phases
-(:mod:`fasttorch.phases`) that transforms replace one at a time, its accumulation
-window, and three hooks through which a transform changes how a call runs, never a
-field of its own:
+``fasttorch.steps`` and ``fasttorch.window`` are the public faces; the definitions live
+here, in reading order:
 
-* ``window``: a :class:`~fasttorch.window.Window`, what the call's window is: ``n``
-  microbatches (``grad_accumulate``), within or across calls, and how its gradients
-  are reduced across ranks (``sync_on_last``); :func:`fasttorch.window.run` runs it;
-* ``runner(step, state, batch)``: runs one call's gradients and update (default:
-  :func:`fasttorch.window.run`; ``compiled`` wraps it under CUDA graphs);
-* ``jit(fn, cpp_wrapper=...)``: turns each pure function the step runs into a kernel
-  (identity; ``compiled`` installs ``torch.compile``);
-* ``hooks``: objects whose ``before(step, state)`` and ``after(step, new)`` run around
-  each call, outside any graph (``skip_nonfinite``'s host-side limit).
-
-The driver in :meth:`Step.__call__` adds what no transform should own: checking the
-inputs, adding sub-states, the RNG and call scope, and donation.
+* the window's sums: :class:`AccumState` holds a window's gradient sums, weight and
+  loss sum (the scratch window of accumulation within a call, reused from call to call,
+  and across calls the sub-state ``state.substates[KEY]``); :func:`accumulate` adds
+  one microbatch to it; :func:`split` cuts a batch into the window's microbatches;
+* the accumulation window: every call runs a window of ``n`` microbatches (one without
+  ``grad_accumulate``), their gradients summed, each weighted by its sample (or token)
+  count, and applied once. A step declares its window (:class:`Window`: ``n`` and
+  ``across_calls``, and a :class:`Reduction` across ranks, ``sync_on_last``'s).
+  :func:`run`, the step's default runner, is the one loop, over one of three engines:
+  kernels (:func:`_in_kernels`: a microbatch kernel adds into an :class:`AccumState`
+  and a close kernel divides and updates; under ``compiled`` each is one graph,
+  compiled once, so the loop is never unrolled; with a reduction the last microbatch
+  is the reduction's), the module's ``.grad`` (:func:`_in_module`: eagerly over a
+  donated state, each backward adds into ``.grad`` as ``loss.backward()`` does;
+  :class:`InModule` says which parameters and how the sums become the mean), or
+  sharded (the same ``.grad`` engine under FSDP2's hooks, ``Reduction.sharded``);
+* the step: :class:`Step` is ``(state, batch) -> (state, metrics)``, its three phases
+  (:mod:`fasttorch.phases`), its window, and three hooks through which a transform
+  changes how a call runs, never a field of its own: ``runner(step, state, batch)``
+  (default :func:`run`; ``compiled`` wraps it under CUDA graphs), ``jit(fn,
+  cpp_wrapper=...)`` (identity; ``compiled`` installs ``torch.compile``) and
+  ``hooks`` (``before``/``after`` each call, outside any graph: ``skip_nonfinite``'s
+  host-side limit). The driver, :meth:`Step.__call__`, adds what no transform should
+  own: checking the inputs, adding sub-states, the RNG and call scope, and donation.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
-from collections.abc import Callable
-from typing import Any, Protocol, TypeAlias
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Protocol, TypeAlias
 
 import attrs
 import torch
 import torch.utils._pytree as pytree
 
-from fasttorch import _checks, _scope
+from fasttorch import _checks, struct
 from fasttorch._checks import warn_once
-from fasttorch._module import restore_training
-from fasttorch._reached import unreached_error
-from fasttorch._rng import scoped_rng
-from fasttorch._tree import check_batch
-from fasttorch.optim._base import check_matches
-from fasttorch.phases import (
+from fasttorch._core import opaque as _opaque
+from fasttorch._core.phases import (
     Batch,
     GradOut,
     GradPhase,
+    IntoGrad,
     Loss,
     LossFn,
     LossPhase,
     Metrics,
+    Tensors,
     UpdatePhase,
+    add_weighted_aux,
+    check_batch,
+    describe,
+    divide_aux,
     global_norm,
     grad_phase,
     loss_phase,
+    module_tensors,
+    opaque_update,
     reads_no_state_after_inner,
     scale_grads,
+    skip_empty_window,
     update_phase,
 )
-from fasttorch.state import (
+from fasttorch._core.reached import unreached, unreached_error
+from fasttorch._core.state import (
     AFTER_FAILURE,
+    Progress,
     TrainState,
+    begin,
     check_alive,
     check_template,
+    commit,
+    current,
+    is_sharded,
+    kernel_ran,
     mark_donated,
     mark_failed,
     mark_template_ok,
+    restore_training,
+    scope,
+    scoped_rng,
 )
+from fasttorch.optim._base import check_matches
 from fasttorch.substates import SubState, any_declares, merge
-from fasttorch.window import Window, apply_update, eager, kernel, memo
-from fasttorch.window import run as run_window
 
 __all__ = [
+    "KEY",
+    "AccumState",
     "CallHook",
     "GradOut",
+    "InModule",
     "Loss",
+    "Reduction",
     "Runner",
     "Step",
+    "Sums",
+    "Window",
+    "accumulate",
     "apply_update",
     "check_wrap",
     "eager",
+    "empty_window",
     "global_norm",
+    "kernel",
+    "meet_unused",
+    "memo",
+    "run",
     "scale_grads",
+    "scratch_window",
+    "split",
     "step",
     "warn_once",
 ]
+
+
+KEY = "grad_accumulate"
+"""The sub-state key of an across-calls window (``state.substates[KEY]``)."""
+
+
+# --------------------------------------------------------------------------- the window's sums
+
+
+class AccumState(struct.Record):
+    """Sub-state of ``grad_accumulate(..., across_calls=True)``: the open window.
+
+    Per rank: each rank of a data-parallel run accumulates its own microbatches, so a
+    checkpoint stores one window per rank (``per_rank``), and one saved inside a window
+    is named after ``micro`` (``window_position``).
+    """
+
+    grads: Tensors
+    weight: torch.Tensor
+    value: torch.Tensor
+    micro: int = struct.field(static=True, default=0)
+    # Parameters no microbatch so far reached (None: no microbatch yet); a parameter
+    # used by any microbatch of the window is updated, as torch.optim sees its .grad.
+    unused: frozenset[str] | None = struct.field(static=True, default=None)
+
+    # Donated windows are zeroed and refilled in place (commit): the same tensors on
+    # every call, as the scratch window of accumulation within a call.
+    kept_across_calls: ClassVar[bool] = True
+    # Read by fasttorch.checkpoint (fasttorch.substates): saved per rank, with the
+    # position in the window in the checkpoint's name and manifest.
+    per_rank: ClassVar[bool] = True
+    window_position: ClassVar[str] = "micro"
+
+    def zeroed(self) -> AccumState:
+        """A fresh, empty window shaped as this one."""
+        return empty_window(self.grads, self.weight.device)
+
+
+def empty_window(params: Mapping[str, torch.Tensor], device: torch.device) -> AccumState:
+    """An empty window for gradients shaped as ``params``."""
+    first = next(iter(params.values()), None)
+    # new_zeros: under torch.func.vmap (fasttorch.vmapped) a zero per member, which the
+    # in-place sums of the window need; otherwise the same 0-d float32 zero.
+    zero = (
+        torch.zeros((), dtype=torch.float32, device=device)
+        if first is None
+        else first.new_zeros((), dtype=torch.float32)
+    )
+    return AccumState(
+        grads={k: torch.zeros_like(p) for k, p in params.items()},
+        weight=zero,
+        value=zero.clone(),
+    )
+
+
+def accumulate(acc: AccumState, g: GradOut, n: int, in_place: bool) -> AccumState:
+    """The window ``acc`` with microbatch ``g`` added (its gradient sums in place if asked).
+
+    ``g`` holds the gradients of (mean * mult / n); times (weight * n) they are those of
+    (sum * mult), and the window's gradient is their total over its total weight. With
+    equal microbatches whose size and count are powers of two, every multiply and divide
+    is exact and the result is bit-identical to the loop that backpropagates loss / n.
+    """
+    w = g.weight
+    fresh = list(g.grads.values())
+    sums = list(acc.grads.values())
+    factors = [w * n] * len(fresh)  # sums += fresh * (w * n): one kernel per tensor
+    if in_place:  # the window is a temporary, or donated: no allocation per microbatch
+        torch._foreach_addcmul_(sums, fresh, factors)
+        acc.weight.add_(w)
+        acc.value.add_(g.value * w)
+        return acc
+    sums = list(torch._foreach_addcmul(sums, fresh, factors))
+    return AccumState(
+        grads=dict(zip(acc.grads, sums)), weight=acc.weight + w, value=acc.value + g.value * w
+    )
+
+
+def scratch_window(
+    memo: dict[str, Any], params: Mapping[str, torch.Tensor], device: torch.device
+) -> AccumState:
+    """A zeroed window for accumulation within one call, reused from call to call.
+
+    A scratch buffer, not state: zeroing it is a memset, where fresh multi-MB
+    tensors on every call cost page faults.
+    """
+    w: AccumState | None = memo.get("scratch")
+    if (
+        w is None
+        or any(
+            k not in w.grads
+            or w.grads[k].shape != p.shape
+            or w.grads[k].dtype != p.dtype
+            or w.grads[k].device != p.device
+            for k, p in params.items()
+        )
+        or len(w.grads) != len(params)
+    ):
+        w = memo["scratch"] = empty_window(params, device)
+        return w
+    torch._foreach_zero_(list(w.grads.values()))
+    w.weight.zero_()
+    w.value.zero_()
+    return w
+
+
+def meet_unused(window: frozenset[str] | None, micro: frozenset[str]) -> frozenset[str]:
+    """The parameters unused by a window so far and by one more microbatch."""
+    return micro if window is None else window & micro
+
+
+def split(batch: Batch, n: int, api: str) -> list[Batch]:
+    """Split every tensor of ``batch`` into ``n`` microbatches along dim 0."""
+    leaves, spec = pytree.tree_flatten(batch)
+    sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.ndim > 0}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"{api}: to split a batch into {n} microbatches every tensor needs the same "
+            f"leading (batch) dimension; got {describe(batch)}"
+        )
+    (size,) = sizes
+    if size < n:
+        raise ValueError(f"{api}: a batch of {size} cannot be split into {n} microbatches")
+    parts = [
+        torch.tensor_split(x, n) if isinstance(x, torch.Tensor) and x.ndim > 0 else [x] * n
+        for x in leaves
+    ]
+    return [pytree.tree_unflatten([p[i] for p in parts], spec) for i in range(n)]
+
+
+class Sums:
+    """What the ``.grad`` engine sums over a window besides the gradients themselves."""
+
+    def __init__(self, dtype: torch.dtype | None) -> None:
+        self.dtype = dtype  # the loss sum's dtype; None: that of value * weight
+        self.value: torch.Tensor | None = None  # sum of value * weight
+        self.weight: torch.Tensor | None = None  # sum of the weights
+        self.aux: Any = None  # sum of aux * weight
+        self.count = 0
+
+    def add(self, g: GradOut) -> None:
+        """Add one microbatch's loss, weight and ``aux`` (running sums, in order)."""
+        vw = (g.value if self.dtype is None else g.value.to(self.dtype)) * g.weight
+        if self.value is None or self.weight is None:
+            self.value, self.weight = vw, g.weight.clone()
+        else:
+            self.value.add_(vw)
+            self.weight.add_(g.weight)
+        self.aux = add_weighted_aux(self.aux, g.aux, g.weight)
+        self.count += 1
+
+
+# --------------------------------------------------------------------------- the window
+
+
+class Reduction(Protocol):
+    """How a window's gradients meet the other ranks' (``sync_on_last`` installs one)."""
+
+    def last(
+        self, step: Step, state: TrainState, acc: AccumState | None, batch: Batch, n: int
+    ) -> tuple[GradOut, GradOut]:
+        """Run the window's last microbatch, reducing the window while its backward runs.
+
+        ``acc``: the earlier microbatches' sums (``None`` in a window of one). Returns
+        the microbatch's own result (without gradients) and the window's mean
+        gradient over every rank, ready for the update phase.
+        """
+        ...
+
+    def sharded(self, step: Step, state: TrainState, n: int) -> InModule:
+        """The ``.grad`` engine's policy for a window over a state sharded with FSDP2."""
+        ...
+
+
+@attrs.frozen
+class Window:
+    """What a step declares about its window; :func:`run` runs it.
+
+    ``n``: microbatches per update. ``across_calls``: each call brings one microbatch,
+    and the sums live in ``state.substates[KEY]`` between calls. ``reduce``: how the
+    window's gradients meet the other ranks' (``None``: one process).
+    """
+
+    n: int = 1
+    across_calls: bool = False
+    reduce: Reduction | None = None
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def eager(fn: Callable[..., Any], *, cpp_wrapper: bool = False) -> Callable[..., Any]:
+    """The default ``jit`` hook: run ``fn`` as it is."""
+    return fn
+
+
+def kernel(
+    step: Step, name: str, make: Callable[[], Callable[..., Any]], *, cpp_wrapper: bool = False
+) -> Callable[..., Any]:
+    """The function ``make()`` returns, passed through ``step.jit`` once per step and name.
+
+    (:meth:`fasttorch.Step.kernel`.) Each pure function a window runs comes from here,
+    so that under ``compiled`` each is compiled once and reused.
+    """
+    cache: dict[str, Callable[..., Any]] = step.__dict__.setdefault("_kernels", {})
+    fn = cache.get(name)
+    if fn is None:
+        fn = step.jit(make(), cpp_wrapper=cpp_wrapper)
+        if step.jit is not eager:
+            fn = kernel_ran(fn)
+        cache[name] = fn
+    return fn
+
+
+def memo(step: Step, name: str) -> dict[str, Any]:
+    """A dict owned by ``step`` for ``name``: buffers a window reuses across calls."""
+    memos: dict[str, dict[str, Any]] = step.__dict__.setdefault("_memos", {})
+    return memos.setdefault(name, {})
+
+
+def apply_update(step: Step, state: TrainState, g: GradOut) -> Result:
+    """The update phase, its result committed into ``state``'s tensors under donation.
+
+    Eagerly, the phases write the donated state's tensors in place only where no
+    update phase around the innermost one reads its input state after calling it
+    (``Step.in_place_update``): otherwise a transform would see the new values
+    through the old state, where a compiled step shows it the old ones.
+    """
+    in_place = step.donate and step.in_place_update
+    g = g.replace(donated=in_place)
+    if torch.compiler.is_compiling():
+        out = step.update(state, g)
+    else:
+        with scope(in_place=in_place):
+            out = step.update(state, g)
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], TrainState)):
+        raise TypeError(
+            f"step {step.name!r}: its update phase returned {_returned(out)}; an update "
+            "phase returns (new_state, metrics), a TrainState and a dict of tensors (the "
+            "metrics of the phase it wraps, or {}). Return both, e.g. "
+            "new, metrics = inner(state, g); return new.replace(...), metrics"
+        )
+    new, metrics = out
+    return commit(step.donate, state, new), metrics
+
+
+def _returned(out: Any) -> str:
+    if isinstance(out, tuple):
+        kinds = ", ".join(type(x).__name__ for x in out)
+        return f"a tuple of {len(out)} ({kinds})"
+    return f"a {type(out).__name__}"
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def run(step: Step, state: TrainState, batch: Batch) -> Result:
+    """The default runner: one call's window of microbatches, then its update."""
+    w = step.window
+    # Host-side facts, read outside any graph: a graph traces this loop only when a
+    # runner around it compiles the whole call (vmapped), where neither applies.
+    eager_call = not torch.compiler.is_compiling()
+    sharded = eager_call and is_sharded(state.module)
+    if sharded and w.reduce is None:
+        raise ValueError(
+            f"step {step.name!r}: the state is sharded with FSDP2 (fully_shard), whose "
+            "gradients are reduce-scattered by its own hooks, but the step has no "
+            "transform that drives them. Wrap it with fasttorch.sync_on_last (after "
+            'grad_accumulate, before compiled): docs/distributed.md, "Sharding"'
+        )
+    if w.across_calls:
+        if not eager_call:
+            return _across_calls(step, state, batch, w.n)
+        with scope(state_window=True):
+            return _across_calls(step, state, batch, w.n)
+    micro = [batch] if w.n == 1 else split(batch, w.n, step.name)
+    if sharded:
+        assert w.reduce is not None
+        return _in_module(step, state, micro, w.reduce.sharded(step, state, w.n))
+    if w.reduce is None:
+        if w.n == 1:
+            full = kernel(step, "full", lambda: functools.partial(_full, step))
+            return full(state, batch)  # type: ignore[no-any-return]
+        params = (
+            module_tensors(state.module, state.params, state.buffers)
+            if eager_call and step.jit is eager
+            else None
+        )
+        if params is not None:
+            return _in_module(step, state, micro, InModule(params))
+    return _in_kernels(step, state, micro)
+
+
+def _full(step: Step, state: TrainState, batch: Batch) -> Result:
+    return apply_update(step, state, step.grad(step.loss, state, batch, 1.0))
+
+
+def _in_kernels(step: Step, state: TrainState, micro: list[Batch]) -> Result:
+    """A window whose sums are a record the microbatch kernel adds into."""
+    n = len(micro)
+    acc = None
+    aux_sum: Any = None
+    if n > 1:
+        acc = scratch_window(memo(step, KEY), state.params, state.device)
+        unused: frozenset[str] | None = None
+        for mb in micro[:-1]:
+            acc, g = _micro_kernel(step)(state, acc, mb, n, True)
+            aux_sum = add_weighted_aux(aux_sum, g.aux, g.weight)
+            unused = meet_unused(unused, g.unused)
+        acc = acc.replace(unused=unused)
+    # The last microbatch adds to the window in place: note its weight first.
+    before = acc.weight.clone() if acc is not None and aux_sum is not None else None
+    new, metrics, _, w_last = _last(step, state, acc, micro[-1], n, False)
+    if before is not None and "aux" in metrics:
+        total = add_weighted_aux(aux_sum, metrics["aux"], w_last)
+        metrics["aux"] = divide_aux(total, before + w_last)
+    return new, metrics
+
+
+def _across_calls(step: Step, state: TrainState, batch: Batch, n: int) -> Result:
+    """One microbatch per call: accumulate into the state's window, update on the n-th."""
+    if is_sharded(state.module):
+        raise ValueError(
+            f"step {step.name!r}: grad_accumulate(..., across_calls=True) cannot train a "
+            "state sharded with FSDP2: between calls the window's gradients would live "
+            "unsharded in the module's .grad, outside the state (neither pure nor "
+            "checkpointed). Give each call the whole window's batch instead: "
+            "grad_accumulate(step, n) splits it and reduces once, on the last microbatch"
+        )
+    window: AccumState = state.substates[KEY]
+    inner = state.without_substate(KEY)
+    # The kernels see the window at micro=0: a Python int that changes from call to call
+    # would be a guard (torch 2.10's dynamo guards on it though no kernel reads it), so a
+    # recompile per position. The position is set on the result here.
+    plain = window.replace(micro=0)
+    if window.micro + 1 < n:
+        acc, g = _micro_kernel(step)(inner, plain.replace(unused=None), batch, n, step.donate)
+        acc = acc.replace(micro=window.micro + 1, unused=meet_unused(window.unused, g.unused))
+        new = inner.with_substate(KEY, acc)
+        metrics: Metrics = {"loss": g.value}
+        if g.aux is not None:
+            metrics["aux"] = g.aux
+        return new, metrics
+    new, metrics, fresh, _ = _last(step, inner, plain, batch, n, True)
+    return new.with_substate(KEY, fresh), metrics
+
+
+def _last(
+    step: Step, state: TrainState, acc: AccumState | None, batch: Batch, n: int, reset: bool
+) -> tuple[TrainState, Metrics, AccumState | None, torch.Tensor]:
+    """The window's last microbatch and its update.
+
+    With ``reset`` the window is the state's and comes back zeroed (``fresh``). Also
+    returns the last microbatch's weight (for the window's ``aux`` mean).
+    """
+    reduce = step.window.reduce
+    if reduce is None:
+        assert acc is not None
+        return _close_window(step, state, acc, batch, n, reset)
+    g, mean = reduce.last(step, state, acc, batch, n)
+    apply = kernel(step, "apply", lambda: functools.partial(apply_update, step))
+    new, metrics = apply(state, mean)
+    fresh = None
+    if reset and acc is not None:
+        fresh = commit(step.donate, acc, acc.zeroed())
+    return new, metrics, fresh, g.weight
+
+
+def _micro_kernel(step: Step) -> Any:
+    return kernel(step, "micro", lambda: functools.partial(_micro, step), cpp_wrapper=True)
+
+
+def _micro(
+    step: Step, state: TrainState, acc: AccumState, batch: Batch, n: int, donate_acc: bool
+) -> tuple[AccumState, GradOut]:
+    g = step.grad(step.loss, state, batch, 1.0 / n)
+    if not torch.compiler.is_compiling() and current().state_window:
+        begin()  # the donated state's own window is added into in place next
+    # The gradients now live in the window; returning them too would make a
+    # compiled graph keep every one of them alive as an output.
+    return accumulate(acc, g, n, donate_acc), g.replace(grads={})
+
+
+def _close_window(
+    step: Step, state: TrainState, acc: AccumState, batch: Batch, n: int, reset: bool
+) -> tuple[TrainState, Metrics, AccumState | None, torch.Tensor]:
+    """The window's last microbatch, then its update, on one process.
+
+    Two kernels, not one: the microbatch kernel is the one every other microbatch
+    runs, so under ``compiled`` the forward and backward are compiled once, and the
+    update graph holds no model code (half the compile time of a graph that repeats
+    the forward and backward, at the cost of one more graph call per window).
+    """
+    # The kernel sees no ``unused`` (a static field that changes within a window would
+    # recompile it); the window's is put on its result here, outside any graph.
+    window_unused = acc.unused
+    acc2, g = _micro_kernel(step)(
+        state, acc.replace(unused=None), batch, n, not reset or step.donate
+    )
+    acc2 = acc2.replace(unused=meet_unused(window_unused, g.unused))
+    close = kernel(step, "close", lambda: functools.partial(_close, step))
+    new, metrics, fresh = close(state, acc2, g, reset)
+    return new, metrics, fresh, g.weight
+
+
+def _close(
+    step: Step, state: TrainState, acc: AccumState, g: GradOut, reset: bool
+) -> tuple[TrainState, Metrics, AccumState | None]:
+    """Apply a full window ``acc`` (``g``: its last microbatch, without gradients)."""
+    # Within one call the window is a temporary; across calls it is the state's, and
+    # ours to overwrite only when donated (it is zeroed for the next window below).
+    owned = not reset or step.donate
+    total = acc.weight.clone()  # the window is zeroed below when it is the state's
+    ts = list(acc.grads.values())
+    if owned and ts and opaque_update(state, step.donate):
+        _opaque.foreach_div_(ts, total)  # as below, as one operator (phases.opaque_update)
+    elif owned and not torch.compiler.is_compiling():
+        # In place saves an allocation in eager mode. In a graph it would make the
+        # graph write the quotients back into its input, the window: a copy of every
+        # gradient that the next window's zeroing throws away.
+        torch._foreach_div_(ts, total)
+    else:
+        ts = list(torch._foreach_div(ts, total))
+    mean = GradOut(
+        grads=dict(zip(acc.grads, ts)),
+        value=acc.value / total,
+        weight=total,
+        aux=g.aux,
+        scale=g.scale,
+        counted=g.counted,
+        unused=acc.unused or frozenset(),
+    )
+    new, metrics = apply_update(step, state, skip_empty_window(mean))
+    fresh = None
+    if reset:
+        fresh = commit(step.donate, acc, empty_window(acc.grads, total.device))
+    return new, metrics, fresh
+
+
+# --------------------------------------------------------------------------- in .grad
+
+
+class InModule:
+    """How the ``.grad`` engine runs a window; by default, on one process.
+
+    ``params``: the module's parameters the window differentiates. ``into``: the call
+    scope's marker for the gradient phase (:class:`~fasttorch.phases.IntoGrad`), which
+    seeds each microbatch's backward relative to the first one's weight.
+    """
+
+    value_dtype: torch.dtype | None = None
+
+    def __init__(self, params: Mapping[str, torch.Tensor], into: IntoGrad | None = None) -> None:
+        self.params = dict(params)
+        self.into = IntoGrad() if into is None else into
+
+    def before(self, i: int, n: int) -> None:
+        """Called before microbatch ``i`` of ``n`` runs."""
+
+    def after(self) -> None:
+        """Called once the microbatches ran or failed, ``.grad`` given back."""
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor the update sees for parameter or gradient ``t``."""
+        return t
+
+    def mean(
+        self,
+        step: Step,
+        state: TrainState,
+        grads: Tensors,
+        unused: frozenset[str],
+        sums: Sums,
+        last: GradOut,
+    ) -> GradOut:
+        """The window's mean gradient from the sums in ``grads`` and ``sums``.
+
+        ``.grad`` holds ``sum_i (w_i / w_1) * grad_i / n``; the mean gradient is
+        ``sum_i w_i * grad_i / sum_i w_i``, that divided by ``sum_i w_i / (n * w_1)``
+        (exactly 1 when the weights are equal: no division then).
+        """
+        into = self.into
+        assert sums.value is not None and sums.weight is not None
+        if not into.same:
+            assert into.first is not None
+            torch._foreach_div_(list(grads.values()), sums.weight / (into.first * sums.count))
+        mean = GradOut(
+            grads=grads,
+            value=sums.value / sums.weight,
+            weight=sums.weight,
+            aux=last.aux,
+            scale=last.scale,
+            counted=last.counted,
+            unused=unused,
+        )
+        return skip_empty_window(mean)
+
+
+def _in_module(step: Step, state: TrainState, micro: list[Batch], how: InModule) -> Result:
+    """A window whose gradients accumulate in the module's ``.grad``.
+
+    The plain loop's memory profile: each microbatch's gradients are added into
+    ``.grad`` by the backward as they are produced, and ``.grad`` is handed back as it
+    was found (``None`` as a rule) after the window, also on an error, so nothing
+    stays allocated between steps.
+    """
+    plist = list(how.params.values())
+    saved = [p.grad for p in plist]
+    n = len(micro)
+    sums = Sums(how.value_dtype)
+    last: GradOut | None = None
+    try:
+        for p in plist:
+            p.grad = None
+        # The sums are built in place and each microbatch's outputs let go before the
+        # next backward: no scalar more than the plain loop's is held where memory peaks.
+        for i, mb in enumerate(micro):
+            how.before(i, n)
+            with scope(into=how.into):
+                g = step.grad(step.loss, state, mb, 1.0 / n)
+            sums.add(g)
+            if i == n - 1:
+                last = g
+            del g
+        assert last is not None
+        # A .grad still None after the window: no microbatch's backward reached it.
+        unused = frozenset(k for k, p in how.params.items() if p.grad is None)
+        if len(unused) == len(how.params):
+            raise unreached(f"no backward of the window reached its {len(unused)}")
+        grads = {
+            k: how.local(p.grad) if p.grad is not None else torch.zeros_like(how.local(p))
+            for k, p in how.params.items()
+        }
+    finally:
+        for p, old in zip(plist, saved):
+            p.grad = old
+        how.after()
+    apply = kernel(step, "apply", lambda: functools.partial(apply_update, step))
+    new, metrics = apply(state, how.mean(step, state, grads, unused, sums, last))
+    if sums.aux is not None and sums.weight is not None and "aux" in metrics:
+        metrics["aux"] = divide_aux(sums.aux, sums.weight)
+    return new, metrics
+
+
+# --------------------------------------------------------------------------- the step
 
 Result: TypeAlias = "tuple[TrainState, Metrics]"
 
@@ -131,7 +715,7 @@ class Step:
     inits: tuple[SubState, ...] = ()
     donate: bool = True
     transforms: tuple[str, ...] = ()
-    runner: Runner = run_window
+    runner: Runner = run
     window: Window = attrs.field(factory=Window)
     jit: Callable[..., Callable[..., Any]] = eager
     hooks: tuple[CallHook, ...] = ()
@@ -421,14 +1005,14 @@ def _run_locked(step: Step, state: TrainState, batch: Batch) -> tuple[TrainState
     if not step.donate:
         # BatchNorm updates running stats in place: work on copies to leave inputs intact.
         state = state.replace(buffers={k: b.clone() for k, b in state.buffers.items()})
-    progress = _scope.Progress()
+    progress = Progress()
     population = any_declares(state.substates, "stacks_members")
     # A step run by another driver (a member's step in fasttorch.several) reports to it
     # whether it may have written; that driver marks and notes the state it was given.
-    outer = _scope.current().progress
+    outer = current().progress
     try:
         with (
-            _scope.scope(in_place=step.donate, progress=progress),
+            scope(in_place=step.donate, progress=progress),
             scoped_rng(state.rng, device, install=not population) as rng_now,
         ):
             new, metrics = step.runner(step, state, batch)

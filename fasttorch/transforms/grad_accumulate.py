@@ -10,10 +10,10 @@ from __future__ import annotations
 import attrs
 
 from fasttorch import _checks
-from fasttorch._accum import KEY, AccumState, accumulate, empty_window
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, check_wrap
 from fasttorch.substates import SubState
+from fasttorch.window import KEY, AccumState, accumulate, empty_window
 
 __all__ = ["KEY", "AccumState", "accumulate", "empty_window", "grad_accumulate"]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from fasttorch import _checks, struct
-from fasttorch._late import LateRead
 from fasttorch.phases import (
     SKIP_BUFFERS,
     GradOut,
+    LateRead,
     Metrics,
     mark_skip,
     no_state_read_after_inner,
@@ -143,7 +143,7 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 20) -> Step:
         >>> guarded(state, bad)
         Traceback (most recent call last):
         ...
-        fasttorch.transforms.nonfinite.NonFiniteError: step 'loss_fn': the last 2 updates ...
+        fasttorch.transforms.skip_nonfinite.NonFiniteError: step 'loss_fn': the last 2 updates ...
     """
     check_wrap(step, "skip_nonfinite")
     if max_consecutive is not None:

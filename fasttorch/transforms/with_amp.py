@@ -8,18 +8,19 @@ from typing import Literal
 import attrs
 import torch
 
-from fasttorch import _checks, _compat, _scope, struct
+from fasttorch import _checks, _compat, struct
 from fasttorch._checks import warn_once
-from fasttorch._late import LateRead
-from fasttorch.optim._fused import float_flag
 from fasttorch.phases import (
     SKIP_BUFFERS,
     Batch,
     GradOut,
+    LateRead,
     Loss,
     LossPhase,
     Metrics,
     Tensors,
+    call_scope,
+    float_flag,
     mark_skip,
     no_state_read_after_inner,
     opaque_update,
@@ -304,7 +305,7 @@ def with_amp(
         new, metrics = inner_update(state, g)
         # A copy: with donation the state's own scale tensor is overwritten next step.
         metrics["loss_scale"] = ls.scale.clone()
-        in_place = not torch.compiler.is_compiling() and _scope.current().in_place
+        in_place = not torch.compiler.is_compiling() and call_scope().in_place
         adjusted = rule.adjust_in_place(ls, found_inf) if in_place else rule.adjust(ls, found_inf)
         new = new.with_substate(KEY, adjusted)
         metrics["skipped"] = g.skip
