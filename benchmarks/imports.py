@@ -64,41 +64,36 @@ def _module(path: str) -> str:
 def arrows(files: dict[str, str]) -> dict[str, set[str]]:
     """``{path: paths it imports}``, every import counted (see the module docstring)."""
     by_module = {_module(p): p for p in files}
-    out: dict[str, set[str]] = {}
-    for path, source in files.items():
-        here = _module(path)
-        package = here if path.endswith("__init__.py") else here.rpartition(".")[0]
-        targets: set[str] = set()
+    return {path: _targets(path, source, by_module) for path, source in files.items()}
 
-        def add(name: str) -> None:
-            if name in by_module and by_module[name] != path:
-                targets.add(by_module[name])
 
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Import):
-                for a in node.names:
-                    parts = a.name.split(".")
-                    for i in range(len(parts), 0, -1):  # the deepest module named
-                        if ".".join(parts[:i]) in by_module:
-                            add(".".join(parts[:i]))
-                            break
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(up + ([base] if base else []))
-                for a in node.names:
-                    add(f"{base}.{a.name}" if f"{base}.{a.name}" in by_module else base)
-            elif (
-                isinstance(node, ast.Call)
-                and ast.unparse(node.func).endswith("import_module")
-                and node.args
-                and isinstance(node.args[0], ast.Constant)
-                and isinstance(node.args[0].value, str)
-            ):
-                add(node.args[0].value)
-        out[path] = targets
-    return out
+def _targets(path: str, source: str, by_module: dict[str, str]) -> set[str]:
+    here = _module(path)
+    package = here if path.endswith("__init__.py") else here.rpartition(".")[0]
+    names: list[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                prefixes = [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+                names += [m for m in prefixes if m in by_module][:1]  # the deepest module
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            names += [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in by_module else base for a in node.names
+            ]
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func).endswith("import_module")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            names.append(node.args[0].value)
+    return {by_module[n] for n in names if n in by_module and by_module[n] != path}
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -191,9 +186,14 @@ def measure(files: dict[str, str]) -> dict[str, object]:
         "floors": max(floor.values(), default=0),
         "back arrows": sorted(back_arrows(top)),
         "floor": floor,
-        "lines": {r: sum(len(s.splitlines()) for p, s in files.items() if room(p) == r) for r in top},
+        "lines": {
+            r: sum(len(s.splitlines()) for p, s in files.items() if room(p) == r) for r in top
+        },
         "private top-level files": sorted(
-            p for p in files if p.count("/") == 1 and p.split("/")[1].startswith("_")
+            p
+            for p in files
+            if p.count("/") == 1
+            and p.split("/")[1].startswith("_")
             and not p.endswith("__init__.py")
         ),
     }
@@ -255,7 +255,9 @@ def main() -> None:
     rows[f"at {_rev(args.rev)}" if args.rev else "this tree"] = measure(sources(args.rev))
     lines = table(rows) + details(rows)
     if args.write:
-        command = "python -m benchmarks.imports" + (f" --before {args.before}" if args.before else "")
+        command = "python -m benchmarks.imports" + (
+            f" --before {args.before}" if args.before else ""
+        )
         head = [
             "# The import graph",
             "",

@@ -58,7 +58,7 @@ from fasttorch._core.phases import (
 )
 from fasttorch._core.state import current as call_scope
 from fasttorch._core.state import scope as scoped_call
-from fasttorch.optim._fused import float_flag
+from fasttorch.optim._base import float_flag
 
 __all__ = [
     "BUFFERS_KEY",
