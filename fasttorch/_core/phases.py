@@ -74,6 +74,7 @@ __all__ = [
     "reads_no_state_after_inner",
     "reciprocal",
     "scale_grads",
+    "scaled_grads",
     "skip_empty_window",
     "unscaled_norm",
     "update_phase",
@@ -645,6 +646,10 @@ class GradOut(struct.Record):
             before the update phase. Static, so that a compiled step knows it while
             tracing: on a CPU an opaque optimizer then updates in place as the eager
             step does (:func:`opaque_update`).
+        opaque: the runner chose the opaque fast path for this update
+            (:func:`opaque_update`, decided where it sets ``donated``). Static. The
+            contract's helpers read it (:func:`unscaled_norm`, :func:`scaled_grads`,
+            the default update phase), so a transform never names the fast path.
     """
 
     grads: Tensors
@@ -658,6 +663,7 @@ class GradOut(struct.Record):
     unused: frozenset[str] = struct.field(static=True, default=frozenset())
     reached: Tensors | None = None
     donated: bool = struct.field(static=True, default=False)
+    opaque: bool = struct.field(static=True, default=False)
 
 
 LossFn: TypeAlias = Callable[[Callable[..., Any], Batch], Any]
@@ -794,8 +800,7 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
     transform wrapping this phase reads the final skip flag from the metrics whatever
     the order it was applied in.
     """
-    opaque = opaque_update(state, g.donated)
-    norm = unscaled_norm(g, opaque=opaque)
+    norm = unscaled_norm(g)
     lr = state.optimizer.learning_rate(state.opt_state, state.step)
     eager_in_place = not torch.compiler.is_compiling() and current().in_place
     if eager_in_place:
@@ -806,7 +811,7 @@ def update_phase(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         state.opt_state,
         state.step,
         g,
-        in_place=eager_in_place or opaque,
+        in_place=eager_in_place or g.opaque,
     )
     buffers, substates = state.buffers, state.substates
     if g.skip is not None:
@@ -876,8 +881,10 @@ def opaque_update(state: TrainState, donated: bool) -> bool:
     (``optim._base.in_place_in_graph``: ``adam(..., opaque=True)``). The optimizer then
     runs as one operator on the state's own tensors, and the arithmetic over the
     gradients before it (the window's mean, the global norm, the clip's scaling) as
-    operators of :mod:`fasttorch._core.opaque` on the gradients the update owns: pass it as
-    ``opaque=`` to :func:`global_norm`, :func:`scale_grads` and :func:`unscaled_norm`.
+    operators of :mod:`fasttorch._core.opaque` on the gradients the update owns. The
+    runner decides it where it sets ``GradOut.donated`` and fills ``GradOut.opaque``,
+    which :func:`unscaled_norm`, :func:`scaled_grads` and the default update phase read:
+    a transform never names it. The window's own mean reads it here.
     Not under ``vmap``, whose members' steps do not donate (``vmapped``), and not on a
     GPU, where it was not measured.
     """
@@ -889,17 +896,28 @@ def opaque_update(state: TrainState, donated: bool) -> bool:
     )
 
 
-def unscaled_norm(g: GradOut, *, opaque: bool = False) -> torch.Tensor:
+def unscaled_norm(
+    g: GradOut, *, opaque: bool | None = None, inv: torch.Tensor | None = None
+) -> torch.Tensor:
     """The global norm of ``g``'s true gradients: ``g.norm`` once known, else computed.
 
     Gradients that still carry a loss scale have their norm divided by it, as
-    ``GradScaler.unscale_`` followed by ``clip_grad_norm_`` computes it. ``opaque``: as
-    in :func:`global_norm` (:func:`opaque_update`).
+    ``GradScaler.unscale_`` followed by ``clip_grad_norm_`` computes it (``inv``: the
+    scale's :func:`reciprocal`, where the caller computed it already). ``opaque``: as in
+    :func:`global_norm`; by default the runner's choice, ``g.opaque``.
     """
     if g.norm is not None:
         return g.norm
-    norm = global_norm(g.grads, opaque=opaque)
-    return norm if g.scale is None else norm * reciprocal(g.scale)
+    norm = global_norm(g.grads, opaque=g.opaque if opaque is None else opaque)
+    if g.scale is None:
+        return norm
+    return norm * (reciprocal(g.scale) if inv is None else inv)
+
+
+def scaled_grads(g: GradOut, factor: torch.Tensor) -> Tensors:
+    """``g``'s gradients times ``factor``, as :func:`scale_grads` computes them, on the
+    fast path the runner chose for this update (``g.opaque``)."""
+    return scale_grads(g.grads, factor, opaque=g.opaque)
 
 
 def mark_skip(g: GradOut, skip: torch.Tensor) -> GradOut:

@@ -348,7 +348,7 @@ def apply_update(step: Step, state: TrainState, g: GradOut) -> Result:
     through the old state, where a compiled step shows it the old ones.
     """
     in_place = step.donate and step.in_place_update
-    g = g.replace(donated=in_place)
+    g = g.replace(donated=in_place, opaque=opaque_update(state, in_place))
     if torch.compiler.is_compiling():
         out = step.update(state, g)
     else:

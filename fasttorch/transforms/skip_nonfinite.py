@@ -12,7 +12,6 @@ from fasttorch.phases import (
     Metrics,
     mark_skip,
     no_state_read_after_inner,
-    opaque_update,
     unscaled_norm,
 )
 from fasttorch.state import TrainState, check_alive
@@ -158,7 +157,7 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 20) -> Step:
     @no_state_read_after_inner
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         counts: NonFiniteState = state.substates[KEY]
-        norm = unscaled_norm(g, opaque=opaque_update(state, g.donated))
+        norm = unscaled_norm(g)
         g = mark_skip(g.replace(norm=norm), ~torch.isfinite(norm))
         skip = g.skip
         assert skip is not None

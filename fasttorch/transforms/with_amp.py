@@ -23,7 +23,6 @@ from fasttorch.phases import (
     float_flag,
     mark_skip,
     no_state_read_after_inner,
-    opaque_update,
     unscaled_norm,
 )
 from fasttorch.state import TrainState
@@ -298,7 +297,7 @@ def with_amp(
     @no_state_read_after_inner
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         ls: LossScaleState = state.substates[KEY]
-        norm = unscaled_norm(g, opaque=opaque_update(state, g.donated))
+        norm = unscaled_norm(g)
         # inf or NaN: a norm is >= 0 otherwise (two operations; isfinite is four)
         found_inf = ~(norm < float("inf"))
         g = mark_skip(g.replace(norm=norm), found_inf)
