@@ -118,6 +118,45 @@ def test_the_compile_machinery_is_imported_only_by_compiled_and_the_testing_kit(
     assert not wrong, f"{sorted(wrong)} import fasttorch/_compile/ (only {COMPILE_IMPORTED_BY})"
 
 
+FAST_PATH_NAMES = {"opaque", "opaque_update", "in_cpu_graph", "in_place_in_graph"}
+
+
+def fast_path_names(source: str) -> set[str]:
+    """The names of the fast-path choice ``source`` uses (names, attributes, keywords)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        name = (
+            node.id
+            if isinstance(node, ast.Name)
+            else node.attr
+            if isinstance(node, ast.Attribute)
+            else node.arg
+            if isinstance(node, ast.keyword)
+            else node.name
+            if isinstance(node, ast.alias)
+            else None
+        )
+        if name in FAST_PATH_NAMES:
+            found.add(name)
+    return found
+
+
+def test_transforms_other_than_compiled_never_name_the_fast_path() -> None:
+    # The runner chooses it (GradOut.opaque) and the contract's helpers read it.
+    wrong = {
+        p: sorted(names)
+        for p in _files()
+        if p.startswith("fasttorch/transforms/")
+        and p != "fasttorch/transforms/compiled.py"
+        and (names := fast_path_names((ROOT / p).read_text()))
+    }
+    assert not wrong, f"transforms name the fast path: {wrong}"
+    assert fast_path_names("x = opaque_update(s, g.donated)\nf(g, opaque=x)\n") == {
+        "opaque_update",
+        "opaque",
+    }
+
+
 def test_no_library_module_imports_the_package_itself() -> None:
     wrong = {p for p in _files() if p != "fasttorch/__init__.py" and "fasttorch" in imports(p)}
     assert not wrong, (
