@@ -76,6 +76,12 @@ class DynamicLossScale:
                 f"{self.init_scale!r}; the floor must be at most the initial scale"
             )
 
+    @property
+    def substate(self) -> SubState:
+        """This rule's sub-state declaration: ``state.substates[KEY]``, a
+        :class:`LossScaleState` starting at ``init_scale``."""
+        return SubState(KEY, LossScaleState, self.init)
+
     def init(self, state: TrainState) -> LossScaleState:
         zero = torch.zeros((), dtype=torch.int64, device=state.device)
         return LossScaleState(
@@ -315,6 +321,6 @@ def with_amp(
         loss=loss,
         grad=grad,
         update=update,
-        substate=(SubState(KEY, LossScaleState, rule.init), SKIP_BUFFERS),
+        substate=(rule.substate, SKIP_BUFFERS),
         hooks=(*step.hooks, _Floor(rule.min_scale)),
     )
