@@ -81,8 +81,11 @@ def _files(frame: FrameType | None, state_only: bool = False) -> list[str]:
     return out
 
 
-def trace(compile_it: bool, state_only: bool) -> tuple[set[str], set[tuple[str, str]]]:
-    """The fasttorch files one warm call enters, and its climbs back (caller, callee)."""
+def trace(
+    compile_it: bool, state_only: bool, functions: set[str] | None = None
+) -> tuple[set[str], set[tuple[str, str]]]:
+    """The fasttorch files one warm call enters, and its climbs back (caller, callee);
+    ``functions``, if given, gets each function counted, as ``file:name``."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(1e-3))
@@ -104,6 +107,8 @@ def trace(compile_it: bool, state_only: bool) -> tuple[set[str], set[tuple[str, 
         if not stack:
             return
         files.add(stack[0])
+        if functions is not None:
+            functions.add(f"{stack[0]}:{frame.f_code.co_name}")
         # stack[0] is the callee's file, stack[1] its caller's: a climb back when the
         # callee's file is already further up, below a file it called.
         if stack[0] in stack[2:]:

@@ -92,7 +92,7 @@ def plan(stage: Stage, dry_run: bool) -> tuple[Stage, list[str]]:
             variants.remove(v)
             notes.append(f"{v}: not run: {module} is not installed")
     if stage.kind == "compile":
-        from fasttorch.transforms import _regions
+        from fasttorch._compile import regions as _regions
 
         kinds = stage.variants
         why = _regions.unavailable()

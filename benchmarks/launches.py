@@ -67,14 +67,14 @@ class OpCount(TorchDispatchMode):
 @contextlib.contextmanager
 def fused_kernel_choice(devices: frozenset[str]) -> Iterator[None]:
     """fasttorch's kernel choice as on ``devices`` (``{"cuda", "cpu"}``: a CUDA step's)."""
-    from fasttorch.optim import _fused
+    from fasttorch.optim import _base
 
-    saved = _fused.FUSED_DEVICES
-    _fused.FUSED_DEVICES = devices
+    saved = _base.FUSED_DEVICES
+    _base.FUSED_DEVICES = devices
     try:
         yield
     finally:
-        _fused.FUSED_DEVICES = saved
+        _base.FUSED_DEVICES = saved
 
 
 def count(row: str, precision: str, model: str = MODEL, steps: int = 3) -> dict[str, int]:

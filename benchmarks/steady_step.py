@@ -205,7 +205,7 @@ def write(path: Path, results: list[dict[str, Any]], args: argparse.Namespace, w
 
 
 # What each row records about how its regions were compiled
-# (fasttorch.transforms._regions.inductor_options): today with the graph pass of this
+# (fasttorch._compile.regions.inductor_options): today with the graph pass of this
 # name, under which inductor's buffer reuse and in-place buffers keep their defaults;
 # before it with both off (``regions_compiled_without``); before that with either on and
 # no pass, which computed wrong gradients for some models.

@@ -13,7 +13,7 @@ from fasttorch import (
     testing,
     transforms,
 )
-from fasttorch._recompiles import RecompileLimitError, RecompileWarning
+from fasttorch._version import __version__ as __version__
 from fasttorch.data import prefetch
 from fasttorch.distributed.sync_on_last import sync_on_last
 from fasttorch.evaluation import eval_step
@@ -23,6 +23,7 @@ from fasttorch.several import Several, model_step, several
 from fasttorch.state import DonatedStateError, TrainState
 from fasttorch.steps import GradOut, Loss, Step, step
 from fasttorch.transforms import *  # noqa: F403 (every transform, listed once there)
+from fasttorch.transforms.compiled import RecompileLimitError, RecompileWarning
 from fasttorch.tuning import tune_device
 
 __all__ = [
@@ -58,8 +59,6 @@ __all__ = [
     "tune_device",
 ]
 __all__ += transforms.__all__
-
-__version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from fasttorch import checkpoint

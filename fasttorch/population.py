@@ -11,7 +11,7 @@ The step counter and the random generator are stacked too: member ``i`` has its 
 ``step[i]`` (every call advances every member, a skipped update included, as for one
 model) and its own generator state ``rng[i]``, seeded as a lone ``TrainState.create``
 seeds its own, so member ``i``'s dropout masks are those of its independent run
-(``fasttorch._rng.draw_``).
+(``fasttorch._core.state.draw_``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fasttorch import _checks, struct
-from fasttorch._rng import initial_rng_state
+from fasttorch._core.state import initial_rng_state
 from fasttorch.optim._base import check_hyper
 from fasttorch.state import TrainState, check_alive, default_seed, is_sharded
 

@@ -293,7 +293,7 @@ def dist_kill(a: dict[str, Any]) -> None:
         saved.append(leaves(state))
     checkpoint.save(root / "base", states[0], name="ck", data={"v": 0, "rank": r})
     errors: list[str] = []
-    publish = checkpoint._publish
+    publish = checkpoint._save._publish
     k = 1
     while True:
         d = root / f"k{k:03d}"
@@ -311,7 +311,7 @@ def dist_kill(a: dict[str, Any]) -> None:
                     calls.extend(seen)
 
         if r == 0:
-            checkpoint._publish = killed_publish  # type: ignore[assignment]
+            checkpoint._save._publish = killed_publish  # type: ignore[assignment]
         try:
             checkpoint.save(d, states[1], name="ck", data={"v": 1, "rank": r})
         except SimulatedKill:
@@ -319,7 +319,7 @@ def dist_kill(a: dict[str, Any]) -> None:
         except checkpoint.CheckpointError as e:
             outcome = "rank 0 failed" if "rank 0 could not complete" in str(e) else repr(e)
         finally:
-            checkpoint._publish = publish  # type: ignore[assignment]
+            checkpoint._save._publish = publish  # type: ignore[assignment]
         done = calls[:-1] if outcome == "killed" else calls  # the last one did not happen
         published = any(n == "rename" and Path(p).name.startswith(".tmp.ck") for n, p in done)
         box: list[Any] = [(outcome, published, len(calls))]

@@ -75,8 +75,8 @@ def test_the_command_writes_the_page_for_every_depth_asked(tmp_path, monkeypatch
 
 
 def test_the_rows_record_how_regions_are_compiled():
-    from fasttorch.transforms import _regions
-    from fasttorch.transforms._region_aliases import RegionAliases
+    from fasttorch._compile import regions as _regions
+    from fasttorch._compile.region_aliases import RegionAliases
 
     # The benchmark names the library's pass, which inductor_options installs.
     assert RegionAliases.__name__ == steady_step.ALIAS_PASS

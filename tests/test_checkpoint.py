@@ -257,14 +257,14 @@ def test_async_save_returns_before_the_write_and_keeps_the_staged_values(tmp_pat
     state, _ = w.run(step, state, 0, 2)
     expected = w.leaves(state)
     gate, reached = threading.Event(), threading.Event()
-    publish = checkpoint._publish
+    publish = checkpoint._save._publish
 
     def slow_publish(plan):  # the files are written; the rename waits for the gate
         reached.set()
         assert gate.wait(30)
         publish(plan)
 
-    monkeypatch.setattr(checkpoint, "_publish", slow_publish)
+    monkeypatch.setattr(checkpoint._save, "_publish", slow_publish)
     handle = checkpoint.async_save(tmp_path, state, data={"next": 2})
     assert not handle.done()
     assert checkpoint.latest(tmp_path) is None  # not visible before it is complete

@@ -426,7 +426,7 @@ def test_a_filesystem_that_cannot_sync_directories_warns_once(tmp_path, monkeypa
         real(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(checkpoint, "_no_dir_sync_warned", set())
+    monkeypatch.setattr(checkpoint._directory, "_no_dir_sync_warned", set())
     with pytest.warns(UserWarning, match="cannot fsync a directory") as record:
         checkpoint.save(tmp_path, at(0))
     assert len([r for r in record if "cannot fsync" in str(r.message)]) == 1
@@ -486,13 +486,13 @@ HOLD = """
 import sys, time, pathlib, torch, fasttorch
 from fasttorch import checkpoint
 root, go = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-real = checkpoint._sha256
+real = checkpoint._manifest._sha256
 def slow(path):  # stop in the middle of publishing, until the test says go
     (root.parent / "started").touch()
     while not go.exists():
         time.sleep(0.05)
     return real(path)
-checkpoint._sha256 = slow
+checkpoint._manifest._sha256 = slow
 state = fasttorch.TrainState.create(torch.nn.Linear(3, 2), fasttorch.optim.sgd(0.1))
 print(checkpoint.save(root, state, name="theirs", keep_last=1).name)
 """

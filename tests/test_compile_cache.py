@@ -16,15 +16,16 @@ from tolerance import fp32_reference_error, params_atol
 
 import fasttorch
 from fasttorch import _compat
-from fasttorch._compile_cache import STEPS_DIR
-from fasttorch.transforms import _regions
+from fasttorch._compile import regions as _regions
+from fasttorch._compile.cache import STEPS_DIR
 
 # One process: a tiny MLP step (two microbatches: two compiled functions) compiled with
 # inductor; prints what the process compiled, traced and loaded, its warnings, and the
 # new parameters after each call. argv: the cache directory and a JSON configuration.
 CHILD = """
 import json, sys, warnings, torch, fasttorch
-from fasttorch import _compat, _compile_cache
+from fasttorch import _compat
+from fasttorch._compile import cache as _compile_cache
 warnings.simplefilter("always")
 torch.set_num_threads(1)
 cfg = json.loads(sys.argv[2])

@@ -16,7 +16,7 @@ from reference import LayerNormNet, batches, mse
 from tolerance import unit_roundoff
 
 import fasttorch
-from fasttorch.transforms import _inductor_options as options_mod
+from fasttorch._compile import inductor_options as options_mod
 
 counters = torch._dynamo.utils.counters
 
@@ -198,7 +198,7 @@ def test_only_a_c_compile_error_of_a_two_file_build_compiled_chose_is_retried():
     from torch._inductor.exc import CppCompileError
 
     from fasttorch._compat import cpp_compile_error as _cpp_compile_error
-    from fasttorch.transforms._inductor_options import _separate_build_is_ours
+    from fasttorch._compile.inductor_options import _separate_build_is_ours
 
     cause = CppCompileError(["g++"], "boom")
     try:
@@ -257,7 +257,7 @@ def test_the_cpu_isa_probe_starts_once_and_only_where_inductor_will_want_it(monk
 # A process that starts the real probe and lists the modules its thread imported.
 PROBE_CHILD = """
 import sys, threading
-from fasttorch.transforms import _inductor_options as options
+from fasttorch._compile import inductor_options as options
 imported = []
 class Watch:
     def find_spec(self, name, path=None, target=None):
@@ -360,7 +360,7 @@ def test_options_reach_every_kernel():
 
 
 def test_inductor_gets_the_fusion_search_cap_unless_told_otherwise():
-    from fasttorch.transforms._inductor_options import FUSION_ATTEMPTS, _with_fusion_cap
+    from fasttorch._compile.inductor_options import FUSION_ATTEMPTS, _with_fusion_cap
 
     key = "max_fusion_buffer_group_pairwise_attempts"
     assert _with_fusion_cap({"backend": "inductor"})["options"] == {key: FUSION_ATTEMPTS}
@@ -411,7 +411,7 @@ def test_on_cpu_the_microbatch_graph_gets_the_cpp_wrapper_and_the_update_graph_d
 
 
 def test_the_cpp_wrapper_is_for_graphs_whose_tensors_are_all_on_the_cpu():
-    from fasttorch.transforms._inductor_options import _only_on_cpu, _with_cpp_wrapper
+    from fasttorch._compile.inductor_options import _only_on_cpu, _with_cpp_wrapper
 
     cpu, meta = torch.zeros(1), torch.zeros(1, device="meta")
     assert _only_on_cpu(({"a": cpu}, [cpu], 3))

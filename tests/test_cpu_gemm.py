@@ -14,9 +14,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import fasttorch
 from fasttorch import _compat
-from fasttorch.transforms import _cpu_gemm
-from fasttorch.transforms._cpu_gemm import HalfGemmInFloat32, half_gemm_dtypes
-from fasttorch.transforms._inductor_options import _with_cpu_gemm
+from fasttorch._compile import cpu_gemm as _cpu_gemm
+from fasttorch._compile.cpu_gemm import HalfGemmInFloat32, half_gemm_dtypes
+from fasttorch._compile.inductor_options import _with_cpu_gemm
 
 aten = torch.ops.aten
 GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
@@ -322,7 +322,7 @@ def test_compiled_bf16_step_with_float32_products_matches_native_and_the_hand_wr
 
 @needs_pass
 def test_a_step_with_no_cpu_tensor_is_compiled_without_the_pass():
-    from fasttorch.transforms._inductor_options import _without_cpu_only_passes
+    from fasttorch._compile.inductor_options import _without_cpu_only_passes
 
     theirs = Theirs()
     opts = {
@@ -345,7 +345,7 @@ def test_where_torch_cannot_run_the_pass_fp32_is_refused_and_auto_warns_on_cpu_o
     raises at wrap time; 'auto' drops it with one warning, at the first call and only
     when the step has CPU tensors (a GPU step never needs it)."""
     from fasttorch import _compat, steps
-    from fasttorch.transforms._inductor_options import _without_cpu_only_passes
+    from fasttorch._compile.inductor_options import _without_cpu_only_passes
 
     monkeypatch.setattr(_compat, "cpu_gemm_pass_works", lambda: False)
     with pytest.raises(ValueError, match="cpu_gemm='fp32' needs torch >= 2.13"):

@@ -1,11 +1,11 @@
-"""fasttorch._fingerprint: what a warm start's key sees, and what it ignores."""
+"""fasttorch._compile.fingerprint: what a warm start's key sees, and what it ignores."""
 
 from __future__ import annotations
 
 import torch
 
 import fasttorch
-from fasttorch._fingerprint import TooDeep, fingerprint
+from fasttorch._compile.fingerprint import TooDeep, fingerprint
 
 SCALE = 2.0
 

@@ -398,7 +398,7 @@ def test_regions_with_inductor_on_cuda_train_as_the_hand_written_loop(rows):
     from test_regions import TwoKinds
     from tolerance import params_atol, reference_error
 
-    from fasttorch.transforms import _regions
+    from fasttorch._compile import regions as _regions
 
     if _regions.unavailable() is not None:
         pytest.skip(_regions.unavailable())

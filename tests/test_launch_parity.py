@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fasttorch
 from benchmarks.foreach_rule import ForeachLint
 from fasttorch import optim, schedules
-from fasttorch.optim import _fused
+from fasttorch.optim import _base
 
 OPTIMIZERS: dict[str, Callable[[Any], Any]] = {
     "sgd": lambda lr: optim.sgd(lr, weight_decay=0.01),
@@ -38,7 +38,7 @@ OPTIMIZERS: dict[str, Callable[[Any], Any]] = {
 @pytest.fixture
 def fused_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run the fused path on CPU tensors, as a GPU step would."""
-    monkeypatch.setattr(_fused, "FUSED_DEVICES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(_base, "FUSED_DEVICES", frozenset({"cuda", "cpu"}))
 
 
 class _Ops(TorchDispatchMode):

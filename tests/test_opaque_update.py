@@ -149,7 +149,7 @@ def _aten_ops(opt: optim.Adam) -> collections.Counter[str]:
 def test_the_windows_mean_and_the_clip_run_as_operators_in_place():
     """In a donated compiled CPU step with the opaque optimizer, the window's mean, the
     global norm, the clip's scaling and Adam are one operator each
-    (``fasttorch._opaque``, ``fasttorch::adam_``), and the graph holds no per-tensor
+    (``fasttorch._core.opaque``, ``fasttorch::adam_``), and the graph holds no per-tensor
     norm; without the option, none of the operators and a norm per tensor."""
     ops = ("foreach_div_", "global_norm", "foreach_mul_", "adam_")
     opaque = _aten_ops(optim.adamw(LR, opaque=True))

@@ -17,7 +17,7 @@ from tolerance import EXACT, params_atol, unit_roundoff
 from torch import Tensor, nn
 
 from fasttorch import optim, schedules
-from fasttorch.optim import OptState, _fused
+from fasttorch.optim import OptState, _base
 
 STEPS = 20
 
@@ -620,13 +620,13 @@ def _run_twins(
     params = {n: t.clone() for n, t in start.items()}
     state = opt.init(params)
     update = _native_update(opt, mode)
-    fused = frozenset({"cuda", "cpu"}) if mode == "fused" else _fused.FUSED_DEVICES
+    fused = frozenset({"cuda", "cpu"}) if mode == "fused" else _base.FUSED_DEVICES
     for k, grads in enumerate(_twin_grads(steps)):
         twin.param_groups[0]["lr"].fill_(at(k))
         for n, p in ref.items():
             p.grad = grads[n].clone()
         twin.step()
-        with mock.patch.object(_fused, "FUSED_DEVICES", fused):
+        with mock.patch.object(_base, "FUSED_DEVICES", fused):
             params, state = update(
                 params, {n: g.clone() for n, g in grads.items()}, state, torch.tensor(k)
             )

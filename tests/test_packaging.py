@@ -36,7 +36,7 @@ def test_import_fasttorch_leaves_inductor_and_distributed_checkpoint_until_used(
         "         'torch.distributed.fsdp', 'torch.distributed.tensor')\n"
         "print(*(m in sys.modules for m in heavy))\n"
         "fasttorch.checkpoint.save\n"
-        "from fasttorch.transforms._cpu_gemm import HalfGemmInFloat32\n"
+        "from fasttorch._compile.cpu_gemm import HalfGemmInFloat32\n"
         "from torch._inductor.custom_graph_pass import CustomGraphPass\n"
         "print(isinstance(HalfGemmInFloat32([torch.bfloat16]), CustomGraphPass))\n"
         "print('torch.distributed.checkpoint' in sys.modules)\n"

@@ -9,7 +9,7 @@ import torch
 from reference import mse
 
 import fasttorch
-from fasttorch._recompiles import explain
+from fasttorch._compile.recompiles import explain
 
 
 class Config:

@@ -22,8 +22,8 @@ from torch import nn
 
 import fasttorch
 from fasttorch import _checks, _compat
-from fasttorch.transforms import _regions
-from fasttorch.transforms._region_aliases import RegionAliases, aliased_outputs
+from fasttorch._compile import regions as _regions
+from fasttorch._compile.region_aliases import RegionAliases, aliased_outputs
 
 pytestmark = pytest.mark.skipif(
     _regions.unavailable() is not None,
@@ -173,7 +173,7 @@ def test_regions_equal_the_whole_step_and_the_hand_written_loop(precision):
 
 def test_dropout_inside_a_region_draws_what_the_whole_step_draws():
     """Each block's dropout mask in a region is the one the inlined graph draws: the
-    region's dropout reads the state's generator (fasttorch._rng) in block order."""
+    region's dropout reads the state's generator (fasttorch._core.state) in block order."""
     torch.manual_seed(0)
     model = Deep(p=0.3)
     data = batches(STEPS, 16)

@@ -551,9 +551,11 @@ def test_steps_of_the_library_transforms_still_update_in_place(monkeypatch):
     assert not _watched(fasttorch.step(mse)).in_place_update
     assert not fasttorch.ema(_watched(fasttorch.step(mse)), 0.9).in_place_update
     copied: list[torch.Tensor] = []  # what the eager commit copies into the state
-    commit_copy = fasttorch.state._copy_by_dtype
+    from fasttorch._core import state as state_mod
+
+    commit_copy = state_mod._copy_by_dtype
     monkeypatch.setattr(
-        fasttorch.state, "_copy_by_dtype", lambda d, s: (copied.extend(d), commit_copy(d, s))
+        state_mod, "_copy_by_dtype", lambda d, s: (copied.extend(d), commit_copy(d, s))
     )
     # No skip flag (with_amp's fp16, skip_nonfinite), which updates out of place anyway.
     plain = fasttorch.grad_accumulate(fasttorch.ema(fasttorch.clip_scaled(mse_step, 1.0), 0.9), 2)

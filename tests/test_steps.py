@@ -237,7 +237,8 @@ def test_calling_the_module_directly_gives_the_same_bits_as_functional_call():
     """A donated state shares storage with its module, so eager steps call the module
     as is; copying semantics (and any state whose tensors are not the module's) go
     through functional_call. Both must give identical results."""
-    from fasttorch import _engine, _scope
+    from fasttorch._core import phases as _engine
+    from fasttorch._core import state as _scope
 
     calls = []
     real = _engine.module_tensors

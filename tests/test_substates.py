@@ -221,7 +221,7 @@ def _violations(name: str, tree: ast.AST) -> list[str]:
             and name != "fasttorch.transforms.profiled"
         )
         # Merging is TrainState.with_substate's and without_substate's job.
-        if _literal_key(node) or (_merge(node) and name != "fasttorch.state") or mark:
+        if _literal_key(node) or (_merge(node) and name != "fasttorch._core.state") or mark:
             found.append(ast.unparse(node))
     return found
 

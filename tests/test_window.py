@@ -9,7 +9,7 @@ import torch
 from reference import LayerNormNet, batches, mse
 
 import fasttorch
-from fasttorch._accum import accumulate
+from fasttorch._core.step import accumulate
 from fasttorch.phases import GradOut
 from fasttorch.window import Window
 

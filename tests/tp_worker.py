@@ -32,7 +32,7 @@ from tolerance import FACTOR, params_atol, reference_error, unit_roundoff
 
 import fasttorch
 from fasttorch import checkpoint
-from fasttorch._rng import initial_rng_state
+from fasttorch._core.state import initial_rng_state
 from fasttorch.distributed import parallelize, replicate, sync_on_last
 
 STEPS, LR, CLIP = 3, 1e-2, 0.5

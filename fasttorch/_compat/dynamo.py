@@ -240,7 +240,7 @@ def compile_phase_seconds() -> dict[str, float]:
 # Guards that dynamo can write to disk and that hold in any process: the tensors'
 # metadata and aliasing, and the global modes a graph was traced under. Guards on Python
 # objects (identity, closures, attribute values) cannot be written; fasttorch's
-# fingerprint of the step (fasttorch._fingerprint) stands in for them.
+# fingerprint of the step (fasttorch._compile.fingerprint) stands in for them.
 _PORTABLE_GUARDS = frozenset(
     {
         "TENSOR_MATCH",

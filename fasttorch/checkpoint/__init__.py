@@ -36,20 +36,18 @@ See docs/checkpointing.md for the trust model and the crash-safety rules.
 #   _paths: the paths a user names, and symbolic-link safety
 #   _manifest: fasttorch.json, its checks, and verify
 #   _directory: the directory of checkpoints: latest, prune, the lock
-#   _save and _async_save: save and async_save
+#   _models: what the save and the load of a fasttorch.Models state share
+#   _save and _async_save: save and async_save (save_models: a Models state)
 #   _read: reading DCP files without running code from them
-#   _load: load and resume
+#   _load: load and resume (load_models, latest_models: a Models state)
 #   _export: model_state_dict and export_safetensors
-#   _models: a fasttorch.Models state, one checkpoint per trained member
-#   _patchable: the names tests replace on this package, looked up at call time
 from fasttorch.checkpoint._async_save import SaveHandle, async_save
 from fasttorch.checkpoint._directory import latest, prune
 from fasttorch.checkpoint._errors import CheckpointError, CheckpointMismatchError
 from fasttorch.checkpoint._export import export_safetensors, model_state_dict
-from fasttorch.checkpoint._load import load, resume
+from fasttorch.checkpoint._load import latest_models, load, load_models, resume
 from fasttorch.checkpoint._manifest import verify
-from fasttorch.checkpoint._models import latest_models, load_models, save_models
-from fasttorch.checkpoint._save import save
+from fasttorch.checkpoint._save import save, save_models
 
 __all__ = [
     "CheckpointError",
@@ -70,19 +68,16 @@ __all__ = [
 ]
 
 # Reachable here as before the split (``name as name`` re-exports them): the format
-# constants, and the internals that tests read or replace. ``_publish``, ``_sha256``
-# and ``_no_dir_sync_warned`` are looked up here at call time (see ``_patchable``);
-# ``os`` is the module whose ``rename`` tests/ckpt_worker.py replaces.
+# constants, and the internals that tests read; ``os`` is the module whose ``rename``
+# tests/ckpt_worker.py replaces. Tests replace ``_save._publish``,
+# ``_manifest._sha256`` and ``_directory._no_dir_sync_warned`` where they are defined.
 import os as os
 
 from fasttorch.checkpoint._async_save import wait_pending as wait_pending
-from fasttorch.checkpoint._directory import _no_dir_sync_warned as _no_dir_sync_warned
 from fasttorch.checkpoint._json import _Box as _Box
 from fasttorch.checkpoint._keys import PER_RANK as PER_RANK
 from fasttorch.checkpoint._keys import _flatten as _flatten
 from fasttorch.checkpoint._keys import _is_per_rank as _is_per_rank
 from fasttorch.checkpoint._manifest import FORMAT as FORMAT
 from fasttorch.checkpoint._manifest import MANIFEST as MANIFEST
-from fasttorch.checkpoint._manifest import _sha256 as _sha256
 from fasttorch.checkpoint._read import _MetadataUnpickler as _MetadataUnpickler
-from fasttorch.checkpoint._save import _publish as _publish

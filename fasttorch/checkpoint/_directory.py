@@ -20,7 +20,6 @@ from typing import Any
 from fasttorch import _checks
 from fasttorch.checkpoint._errors import CheckpointError
 from fasttorch.checkpoint._manifest import _has_manifest, _read_manifest, verify
-from fasttorch.checkpoint._patchable import patchable
 from fasttorch.checkpoint._paths import _dir_arg, _is_link
 
 fcntl: ModuleType | None
@@ -58,9 +57,8 @@ def _fsync_dir(path: Path) -> None:
         if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
             raise OSError(e.errno, f"fsync of the directory {str(path)!r} failed: {e}") from e
         device = os.fstat(fd).st_dev  # once per filesystem
-        warned = patchable("_no_dir_sync_warned")
-        if device not in warned:
-            warned.add(device)
+        if device not in _no_dir_sync_warned:  # tests reset it: a module global, read here
+            _no_dir_sync_warned.add(device)
             warnings.warn(
                 f"checkpoint: the filesystem of {str(path)!r} cannot fsync a directory "
                 f"({e.strerror}); renames there are not made durable against power loss",

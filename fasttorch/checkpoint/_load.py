@@ -14,6 +14,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.tensor import DTensor
 
+from fasttorch._checks import warn_once
 from fasttorch.checkpoint import _subclasses as subclasses
 from fasttorch.checkpoint._directory import latest
 from fasttorch.checkpoint._errors import (
@@ -35,7 +36,8 @@ from fasttorch.checkpoint._keys import (
     _restore_statics,
     _shards,
 )
-from fasttorch.checkpoint._manifest import verify
+from fasttorch.checkpoint._manifest import _read_manifest, verify
+from fasttorch.checkpoint._models import FROZEN_KEY, FrozenTensors, _carrying, _frozen, _trained
 from fasttorch.checkpoint._paths import _dir_arg, _path_arg
 from fasttorch.checkpoint._read import (
     _read,
@@ -184,9 +186,6 @@ def load(
     p = _path_arg(path, "checkpoint.load")
     check_state_kind(template, "checkpoint.load", "template")
     if isinstance(template, Models):
-        # _models loads each member through this function: imported here, not above.
-        from fasttorch.checkpoint._models import load_models
-
         options = {"inplace": inplace, "verify_hashes": verify_hashes}
         return load_models(p.parent, p.name, template, trust_pickled=trust_pickled, **options)
     check_alive(template, "checkpoint.load")
@@ -457,8 +456,6 @@ def resume(
         )
     check_state_kind(template, "checkpoint.resume", "template")
     if isinstance(template, Models):
-        from fasttorch.checkpoint._models import latest_models, load_models  # as in load
-
         name = latest_models(d)
         if name is None:
             return template, data
@@ -468,3 +465,88 @@ def resume(
     if found is None:
         return template, data
     return load(found, template, inplace=inplace, verify_hashes=verify_hashes)
+
+
+def latest_models(directory: str | os.PathLike[str]) -> str | None:
+    """The newest checkpoint name that every member saved in ``directory`` (or ``None``).
+
+    Members' directories are compared by name: a save interrupted after some members
+    leaves a newer name in those only, which is passed over.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        return None
+    dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not dirs:
+        return None
+    names: set[str] | None = None
+    for d in dirs:
+        here = {p.name for p in d.iterdir() if p.is_dir() and not p.name.startswith(".")}
+        names = here if names is None else names & here
+    newest = [latest(d) for d in dirs]
+    # The oldest of the members' newest: every member has it unless a save is missing.
+    candidates = sorted(n.name for n in newest if n is not None and names and n.name in names)
+    return candidates[0] if candidates else None
+
+
+def load_models(
+    directory: str | os.PathLike[str],
+    name: str | None,
+    template: Models,
+    *,
+    inplace: bool = False,
+    verify_hashes: bool = True,
+    trust_pickled: bool = False,
+) -> tuple[Models, Any]:
+    """Load checkpoint ``name`` of every member into a state shaped like ``template``.
+
+    ``template`` is built as the saved state was (same members, models, optimizers,
+    ``step.init`` for the same transforms); its ``Frozen`` members get the tensors
+    saved for them (a checkpoint written before Frozen members were saved has none:
+    the template's are kept, with a warning). Returns ``(state, data)``, ``data`` as
+    saved with the first member. The
+    options are :func:`load`'s, for each member. ``checkpoint.load(directory / name,
+    template)`` does the same.
+
+    Raises:
+        CheckpointError: ``name`` is ``None`` (nothing saved) or a member's
+            checkpoint is missing or damaged (see :func:`load`).
+    """
+    members = _trained(template, "checkpoint.load_models")
+    if name is None:
+        raise CheckpointError(
+            f"checkpoint.load_models: no checkpoint that every member "
+            f"({', '.join(members)}) saved in {str(directory)!r}"
+        )
+    out: dict[str, Any] = dict(template.members)
+    frozen = _frozen(template)
+    first = next(iter(members))
+    if frozen and not _has_frozen(Path(directory) / first / name):
+        warn_once(
+            f"checkpoint.load_models: {str(Path(directory) / name)!r} holds no Frozen "
+            f"members (it was saved before they were saved): {sorted(frozen)} keep the "
+            "template's tensors"
+        )
+        frozen = {}
+    data: Any = None
+    for i, (member, s) in enumerate(_carrying(members, frozen).items()):
+        out[member], d = load(
+            Path(directory) / member / name,
+            s,
+            inplace=inplace,
+            verify_hashes=verify_hashes,
+            trust_pickled=trust_pickled,
+        )
+        if i == 0:
+            data = d
+    if frozen:
+        carried: FrozenTensors = out[first].substates[FROZEN_KEY]
+        out[first] = out[first].without_substate(FROZEN_KEY)
+        for n, f in frozen.items():
+            out[n] = f.replace(tensors=carried.members[n])
+    return Models(members=out), data
+
+
+def _has_frozen(path: Path) -> bool:
+    prefix = f"substates/{FROZEN_KEY}/"
+    return any(k.startswith(prefix) for k in _read_manifest(path)["entries"])

@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import save as _dcp_save
 
 from fasttorch import _checks
+from fasttorch.checkpoint import _manifest
 from fasttorch.checkpoint import _subclasses as subclasses
 from fasttorch.checkpoint._directory import (
     _OLD,
@@ -52,7 +53,7 @@ from fasttorch.checkpoint._keys import (
     _statics,
 )
 from fasttorch.checkpoint._manifest import FORMAT, MANIFEST
-from fasttorch.checkpoint._patchable import patchable
+from fasttorch.checkpoint._models import _carrying, _frozen, _trained
 from fasttorch.checkpoint._paths import _dir_arg, _is_link
 from fasttorch.distributed.fsdp import as_dtensor
 from fasttorch.models import Models
@@ -207,7 +208,7 @@ def _write(plan: _Plan, pg: Any) -> Path:
         if rank == 0:
             try:
                 with _as_checkpoint_error(what):
-                    patchable("_publish")(plan)
+                    _publish(plan)
             except BaseException as e:  # the other ranks must hear of it, even of a kill
                 error = f"{type(e).__name__}: {e}"
                 if isinstance(e, Exception):
@@ -260,7 +261,7 @@ def _publish(plan: _Plan) -> None:
     files = {}
     for f in sorted(plan.tmp.iterdir()):
         if f.is_file():
-            files[f.name] = {"size": f.stat().st_size, "sha256": patchable("_sha256")(f)}
+            files[f.name] = {"size": f.stat().st_size, "sha256": _manifest._sha256(f)}
     manifest = {**plan.manifest, "saved_at": time.time(), "files": files}
     with open(plan.tmp / MANIFEST, "w") as fh:
         json.dump(manifest, fh, indent=1)
@@ -374,9 +375,6 @@ def save(
     api = "checkpoint.save"
     check_state_kind(state, api)
     if isinstance(state, Models):
-        # _models saves each member through this function: imported here, not above.
-        from fasttorch.checkpoint._models import save_models
-
         kept = save_models(
             directory,
             state,
@@ -396,3 +394,56 @@ def save(
 def _step_count(state: TrainState) -> int:
     """The state's step count; a population's members each count theirs: the largest."""
     return int(state.step.max())
+
+
+def save_models(
+    directory: str | os.PathLike[str],
+    state: Models,
+    *,
+    data: Any = None,
+    name: str | None = None,
+    keep_last: int | None = None,
+    metric: float | torch.Tensor | None = None,
+    keep_best: int | None = None,
+    mode: str = "min",
+) -> str:
+    """Save every trained member of ``state`` as ``directory/<member>/<name>``.
+
+    As :func:`save` for each member (atomic, verified; ``data``, ``metric`` and the
+    pruning options apply to each), all under one name: by default the first
+    member's ``step_<step>`` (``_micro<k>`` inside an accumulation window). Returns
+    that name. ``checkpoint.save(directory, state)`` does the same and returns
+    ``directory/<name>``.
+
+    Example:
+        >>> import tempfile, torch, fasttorch
+        >>> from fasttorch.checkpoint import latest_models, load_models, save_models
+        >>> def make():
+        ...     torch.manual_seed(0)
+        ...     return fasttorch.Models.create(
+        ...         g=fasttorch.TrainState.create(torch.nn.Linear(2, 2), fasttorch.optim.sgd(0.1)),
+        ...         teacher=fasttorch.Frozen.create(torch.nn.Linear(2, 2)))
+        >>> root = tempfile.mkdtemp()
+        >>> save_models(root, make(), data={"epoch": 1})
+        'step_000000000'
+        >>> state, data = load_models(root, latest_models(root), make())
+        >>> data, int(state["g"].step)
+        ({'epoch': 1}, 0)
+    """
+    members = _carrying(_trained(state, "checkpoint.save_models"), _frozen(state))
+    if name is None:
+        first = next(iter(members.values()))
+        micro = window_position(first.substates)
+        name = f"step_{int(first.step):09d}" + (f"_micro{micro}" if micro else "")
+    for member, s in members.items():
+        save(
+            Path(directory) / member,
+            s,
+            data=data,
+            name=name,
+            keep_last=keep_last,
+            metric=metric,
+            keep_best=keep_best,
+            mode=mode,
+        )
+    return name

@@ -35,10 +35,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fasttorch import _compat
-from fasttorch._accum import Sums
 from fasttorch._checks import warn_once
-from fasttorch._engine import IntoGrad
-from fasttorch._module import imported_class
+from fasttorch._core.phases import IntoGrad
+from fasttorch._core.state import imported_class
+from fasttorch._core.step import Sums
 from fasttorch.distributed.reducer import (
     DistributedStepError,
     SyncConfig,

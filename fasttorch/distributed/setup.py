@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from fasttorch._checks import warn_once
-from fasttorch._rng import initial_rng_state
+from fasttorch._core.state import initial_rng_state
 from fasttorch.distributed.fsdp import sharded_leaves
 from fasttorch.distributed.tensor_parallel import data_parallel_rank
 from fasttorch.state import TrainState, check_alive

@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 
 from fasttorch import _checks
-from fasttorch._accum import AccumState
+from fasttorch._core.step import AccumState
 from fasttorch.distributed.fsdp import ShardedWindow
 from fasttorch.distributed.reducer import SyncConfig, WindowReduction
 from fasttorch.phases import Batch, GradOut, Loss, Tensors

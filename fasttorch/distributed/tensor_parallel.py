@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fasttorch._module import imported_class
+from fasttorch._core.state import imported_class
 
 __all__ = ["HEAD_ATTRIBUTES", "data_parallel_rank", "norm_shares", "parallelize"]
 

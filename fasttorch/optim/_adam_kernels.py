@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from fasttorch import _compat
-from fasttorch.optim import _fused
+from fasttorch.optim import _base
 from fasttorch.optim._base import computed_once, in_cpu_graph
 
 __all__ = ["bias_corrections", "foreach", "fused", "graph_update"]
@@ -42,8 +42,8 @@ def fused(
     """
     steps = count.to(torch.float32)
     lr = lr.to(torch.float32)
-    hyper = {k: _fused.host_float(h[k]) for k in ("beta1", "beta2", "weight_decay", "eps")}
-    for p, g, m, v in _fused.by_dtype(lists):
+    hyper = {k: _base.host_float(h[k]) for k in ("beta1", "beta2", "weight_decay", "eps")}
+    for p, g, m, v in _base.by_dtype(lists):
         kernel(
             p,
             g,
@@ -80,7 +80,7 @@ def foreach(
     (:func:`~fasttorch.optim.adam`). Eager, every call takes CUDA's multi-tensor path:
     0-d factors in the lists' dtype (float32: the cast from float64 is the one the op
     itself would make, so the same bits), the lerp weight, weight decay and eps as
-    Python floats (read once per change, :func:`_fused.host_float`; the same values and
+    Python floats (read once per change, :func:`_base.host_float`; the same values and
     kernels' results as the tensors), lists of the same shapes. In a graph the
     compiler fuses them and the 0-d factors stay tensors (a float would be a
     constant).
@@ -94,14 +94,14 @@ def foreach(
     dtype = p[0].dtype
 
     def factor(x: Tensor) -> Tensor:
-        return x if graph else x.to(_fused.factor_dtype(dtype))
+        return x if graph else x.to(_base.factor_dtype(dtype))
 
     step_size, bias_correction2_sqrt = bias_corrections(lr, count, beta1, beta2)
     if decoupled:
         torch._foreach_mul_(p, factor(1 - lr.to(torch.float32) * wd))
     elif host:
         # torch's add(p, alpha=weight_decay): one rounding (a fused multiply-add)
-        alpha = _fused.host_float(wd)
+        alpha = _base.host_float(wd)
         if inplace:
             torch._foreach_add_(g, p, alpha=alpha)
         else:
@@ -117,7 +117,7 @@ def foreach(
     elif graph or len({t.dtype for t in m}) > 1 or batched:
         torch._foreach_lerp_(m, g, _per_dtype(1 - beta1, m))
     else:
-        torch._foreach_lerp_(m, g, _host_weight(_fused.host_float(beta1), dtype))
+        torch._foreach_lerp_(m, g, _host_weight(_base.host_float(beta1), dtype))
     torch._foreach_mul_(v, factor(beta2))
     scaled = torch._foreach_mul(g, factor(1 - beta2))
     torch._foreach_addcmul_(v, scaled, g)
@@ -131,9 +131,9 @@ def foreach(
         denom = list(torch._foreach_sqrt(v))
     torch._foreach_div_(denom, factor(bias_correction2_sqrt))
     if host:
-        # A Python float, read once per change (_fused.host_float): CPU's kernel
+        # A Python float, read once per change (_base.host_float): CPU's kernel
         # reads a 0-d tensor operand to the host on every call.
-        torch._foreach_add_(denom, _fused.host_float(eps))
+        torch._foreach_add_(denom, _base.host_float(eps))
     else:
         # A list: dynamo reads a bare 0-d tensor operand of _foreach_add_ to the host.
         torch._foreach_add_(denom, [eps] * len(denom))

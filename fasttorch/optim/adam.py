@@ -8,7 +8,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from fasttorch.optim import _adam_kernels, _fused
+from fasttorch.optim import _adam_kernels, _base
 from fasttorch.optim._base import (
     LearningRate,
     OptState,
@@ -72,7 +72,7 @@ class Adam:
             "weight_decay": self.weight_decay,
         }
         hyper = make_hyper(self.lr, device, **values)
-        _fused.remember(hyper, values)
+        _base.remember(hyper, values)
         slots = {
             slot: {n: torch.zeros_like(p) for n, p in params.items()}
             for slot in ("exp_avg", "exp_avg_sq")
@@ -100,7 +100,7 @@ class Adam:
         gradient tensors instead and returns them (for a donated state in eager mode,
         where fresh allocations cost more than the arithmetic); both run the same
         kernels in the same order, so they give the same bits. In place on a GPU
-        (:data:`~fasttorch.optim._fused.FUSED_DEVICES`) the update is torch's fused
+        (:data:`~fasttorch.optim._base.FUSED_DEVICES`) the update is torch's fused
         kernel, ``torch.optim.AdamW(fused=True)``'s, one launch per dtype. With
         ``opaque=True``, in place in a CPU graph (a donated compiled step) is one
         operator, ``fasttorch::adam_``, that runs the eager in-place form.
@@ -129,7 +129,7 @@ class Adam:
                 p, m, v = _adam_kernels.graph_update(p, g, m, v, lr, count, h, decoupled=decoupled)
                 slots = {"exp_avg": dict(zip(names, m)), "exp_avg_sq": dict(zip(names, v))}
                 return dict(zip(names, p)), opt_state.replace(count=count, slots=slots)
-            fused = _fused.kernel(self._kernel_name, (p, g, m, v)) if inplace else None
+            fused = _base.kernel(self._kernel_name, (p, g, m, v)) if inplace else None
             if fused is not None:
                 _adam_kernels.fused(fused, (p, g, m, v), lr, count, h)
                 return dict(zip(names, p)), opt_state.replace(count=count)
@@ -163,14 +163,14 @@ class Adam:
         """
         names = list(params)
         lists = self._lists(names, params, grads, opt_state)
-        fused = _fused.kernel(self._kernel_name, lists)
+        fused = _base.kernel(self._kernel_name, lists)
         if fused is None:
             return None
         with torch.no_grad():
             lr = self.learning_rate(opt_state, step)
             count = opt_state.count.add_(found_inf.logical_not())
             _adam_kernels.fused(
-                fused, lists, lr, count, opt_state.hyper, grad_scale, _fused.float_flag(found_inf)
+                fused, lists, lr, count, opt_state.hyper, grad_scale, _base.float_flag(found_inf)
             )
         return dict(zip(names, lists[0])), opt_state.replace(count=count)
 
@@ -179,7 +179,7 @@ class Adam:
     ) -> bool:
         """Whether :meth:`fused_update` would run torch's fused kernel on these tensors."""
         lists = self._lists(list(params), params, grads, opt_state)
-        return _fused.kernel(self._kernel_name, lists) is not None
+        return _base.kernel(self._kernel_name, lists) is not None
 
     @staticmethod
     def _lists(

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from fasttorch import _checks, _compat
-from fasttorch.optim import _fused
+from fasttorch.optim import _base
 from fasttorch.optim._base import (
     LearningRate,
     OptState,
@@ -67,7 +67,7 @@ class SGD:
             values.update(momentum=self.momentum, dampening=self.dampening)
             slots["momentum_buffer"] = {n: torch.zeros_like(p) for n, p in params.items()}
         hyper = make_hyper(self.lr, device, **values)
-        _fused.remember(hyper, values)
+        _base.remember(hyper, values)
         return OptState(
             count=torch.zeros((), dtype=torch.int64, device=device), hyper=hyper, slots=slots
         )
@@ -89,7 +89,7 @@ class SGD:
 
         Out of place by default; ``inplace=True`` overwrites the parameter, buffer and
         gradient tensors and returns them, running the same kernels (same bits). In
-        place on a GPU (:data:`~fasttorch.optim._fused.FUSED_DEVICES`) the update is
+        place on a GPU (:data:`~fasttorch.optim._base.FUSED_DEVICES`) the update is
         torch's fused kernel, ``torch.optim.SGD(fused=True)``'s, where it computes the
         same algorithm: without momentum, or with dampening 0 (torch's kernel starts
         the buffer from the gradient when told it is the first step, which a step that
@@ -106,7 +106,7 @@ class SGD:
             p = [params[n] for n in names]
             g = [grads[n] for n in names]
             lists = self._fused_lists(names, p, g, opt_state) if inplace else None
-            fused = None if lists is None else _fused.kernel("sgd", lists)
+            fused = None if lists is None else _base.kernel("sgd", lists)
             if fused is not None and lists is not None:
                 self._fused(fused, lists, lr, hyper)
                 return dict(zip(names, p)), opt_state.replace(count=count)
@@ -140,7 +140,7 @@ class SGD:
             # torch.compile (eagerly it reads the lr to the host for add(alpha=-lr)).
             # lr in the lists' dtype (float32 from a schedule's float64: the cast the op
             # would make, same bits), for CUDA's multi-tensor path.
-            lr = lr if torch.compiler.is_compiling() else lr.to(_fused.factor_dtype(p[0].dtype))
+            lr = lr if torch.compiler.is_compiling() else lr.to(_base.factor_dtype(p[0].dtype))
             torch._foreach_sub_(p, _foreach_mul(g, lr))
         return dict(zip(names, p)), opt_state.replace(count=count, slots=slots)
 
@@ -155,7 +155,7 @@ class SGD:
         # bfloat16 step that is not the first, and the zero buffer relies on it.
         if p[0].dtype not in (torch.float32, torch.float64):
             return None
-        if _fused.host_float(opt_state.hyper["dampening"]) != 0.0:
+        if _base.host_float(opt_state.hyper["dampening"]) != 0.0:
             return None
         return [p, g, [opt_state.slots["momentum_buffer"][n] for n in names]]
 
@@ -180,13 +180,13 @@ class SGD:
         names = list(params)
         p, g = [params[n] for n in names], [grads[n] for n in names]
         lists = self._fused_lists(names, p, g, opt_state) if names else None
-        fused = None if lists is None else _fused.kernel("sgd", lists)
+        fused = None if lists is None else _base.kernel("sgd", lists)
         if fused is None or lists is None:
             return None
         with torch.no_grad():
             lr = self.learning_rate(opt_state, step)
             count = opt_state.count + found_inf.logical_not()
-            self._fused(fused, lists, lr, opt_state.hyper, grad_scale, _fused.float_flag(found_inf))
+            self._fused(fused, lists, lr, opt_state.hyper, grad_scale, _base.float_flag(found_inf))
         return dict(zip(names, p)), opt_state.replace(count=count)
 
     def can_fuse(
@@ -196,7 +196,7 @@ class SGD:
         names = list(params)
         p, g = [params[n] for n in names], [grads[n] for n in names]
         lists = self._fused_lists(names, p, g, opt_state) if names else None
-        return lists is not None and _fused.kernel("sgd", lists) is not None
+        return lists is not None and _base.kernel("sgd", lists) is not None
 
     def _fused(
         self,
@@ -208,10 +208,10 @@ class SGD:
         found_inf: Tensor | None = None,
     ) -> None:
         """torch's fused SGD over ``lists`` (params, grads[, buffers]), one launch a dtype."""
-        momentum = _fused.host_float(hyper["momentum"]) if self._has_momentum else 0.0
-        wd = _fused.host_float(hyper["weight_decay"])
+        momentum = _base.host_float(hyper["momentum"]) if self._has_momentum else 0.0
+        wd = _base.host_float(hyper["weight_decay"])
         lr = lr.to(torch.float32)
-        for group in _fused.by_dtype(lists):
+        for group in _base.by_dtype(lists):
             fused(
                 group[0],
                 group[1],
@@ -231,10 +231,10 @@ class SGD:
 def _add_scaled_(a: list[Tensor], b: list[Tensor], s: Tensor, host: bool) -> None:
     """``a += s * b`` rounded once, as torch's ``a.add_(b, alpha=s)`` (a fused
     multiply-add on CPU and CUDA): with ``s`` as a Python float read once per change
-    (:func:`_fused.host_float`) where ``host``, else as ``addcmul`` with the 0-d tensor,
+    (:func:`_base.host_float`) where ``host``, else as ``addcmul`` with the 0-d tensor,
     which rounds the same way."""
     if host:
-        torch._foreach_add_(a, b, alpha=_fused.host_float(s))
+        torch._foreach_add_(a, b, alpha=_base.host_float(s))
     else:
         torch._foreach_addcmul_(a, b, [s] * len(a))
 

@@ -8,9 +8,9 @@ from fasttorch.transforms.clip_scaled import clip_scaled
 from fasttorch.transforms.compiled import compiled
 from fasttorch.transforms.ema import EmaState, ema
 from fasttorch.transforms.grad_accumulate import grad_accumulate
-from fasttorch.transforms.nonfinite import NonFiniteError, NonFiniteState, skip_nonfinite
 from fasttorch.transforms.profiled import Profiled, profiled
 from fasttorch.transforms.scale_loss import scale_loss
+from fasttorch.transforms.skip_nonfinite import NonFiniteError, NonFiniteState, skip_nonfinite
 from fasttorch.transforms.vmapped import vmapped, vmapped_eval
 from fasttorch.transforms.with_amp import LossScaleState, with_amp
 

@@ -10,11 +10,9 @@ from fasttorch import _checks
 from fasttorch.phases import (
     GradOut,
     Metrics,
-    global_norm,
     no_state_read_after_inner,
-    opaque_update,
     reciprocal,
-    scale_grads,
+    scaled_grads,
     unscaled_norm,
 )
 from fasttorch.state import TrainState
@@ -74,16 +72,11 @@ def clip_scaled(step: Step, max_norm: float) -> Step:
 
     @no_state_read_after_inner
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
-        opaque = opaque_update(state, g.donated)
         inv = None if g.scale is None else reciprocal(g.scale)
-        # unscaled_norm(g), with the reciprocal computed once
-        if g.norm is not None or inv is None:
-            norm = unscaled_norm(g, opaque=opaque)
-        else:
-            norm = global_norm(g.grads, opaque=opaque) * inv
+        norm = unscaled_norm(g, inv=inv)  # the reciprocal computed once
         coef = torch.clamp(limit / (norm + 1e-6), max=1.0)
         factor = coef if inv is None else coef * inv
-        grads = scale_grads(g.grads, factor, opaque=opaque)
+        grads = scaled_grads(g, factor)
         del coef, factor, inv  # not held through the update, where memory peaks
         return inner(state, g.replace(grads=grads, scale=None, norm=norm))
 

@@ -5,7 +5,7 @@ function a step runs (the whole step, or a microbatch and a window's update unde
 ``grad_accumulate``, or the forward and the update under ``sync_on_last``) goes through
 it once and is reused. The rest of this module is what fasttorch adds around
 ``torch.compile``: a code object per kernel, inductor options chosen from the first
-call's devices (:mod:`fasttorch.transforms._inductor_options`), and the retry of a C++
+call's devices (:mod:`fasttorch._compile.inductor_options`), and the retry of a C++
 build it chose.
 """
 
@@ -22,15 +22,11 @@ import torch.utils._pytree as pytree
 
 from fasttorch import _checks, _compat
 from fasttorch._checks import warn_once
-from fasttorch._compile_cache import check_cache_dir, kept, use_cache_dir
-from fasttorch._recompiles import DEFAULT_LIMIT, Recompiles
-from fasttorch.phases import Batch, Metrics
-from fasttorch.state import TrainState, is_sharded, kept_leaves
-from fasttorch.steps import Runner, Step, check_wrap
-from fasttorch.transforms import _regions
-from fasttorch.transforms._code import describe, own_code
-from fasttorch.transforms._cpu_gemm import CpuGemm
-from fasttorch.transforms._inductor_options import (
+from fasttorch._compile import regions as _regions
+from fasttorch._compile.cache import check_cache_dir, kept, use_cache_dir
+from fasttorch._compile.code import describe, own_code
+from fasttorch._compile.cpu_gemm import CpuGemm
+from fasttorch._compile.inductor_options import (
     _check_isa_cache,
     _on_cpu,
     _only_on_cpu,
@@ -44,7 +40,13 @@ from fasttorch.transforms._inductor_options import (
     check_arguments,
     probe_cpu_isa_early,
 )
-from fasttorch.transforms._traced_errors import user_error
+from fasttorch._compile.recompiles import DEFAULT_LIMIT, Recompiles
+from fasttorch._compile.recompiles import RecompileLimitError as RecompileLimitError
+from fasttorch._compile.recompiles import RecompileWarning as RecompileWarning
+from fasttorch._compile.traced_errors import user_error
+from fasttorch.phases import Batch, Metrics
+from fasttorch.state import TrainState, is_sharded, kept_leaves
+from fasttorch.steps import Runner, Step, check_wrap
 
 __all__ = ["Compiler", "compile_step_fn", "compiled"]
 

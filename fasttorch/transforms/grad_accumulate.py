@@ -10,12 +10,20 @@ from __future__ import annotations
 import attrs
 
 from fasttorch import _checks
-from fasttorch._accum import KEY, AccumState, accumulate, empty_window
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, check_wrap
 from fasttorch.substates import SubState
+from fasttorch.window import KEY, AccumState, accumulate, empty_window
 
-__all__ = ["KEY", "AccumState", "accumulate", "empty_window", "grad_accumulate"]
+__all__ = ["KEY", "SUBSTATE", "AccumState", "accumulate", "empty_window", "grad_accumulate"]
+
+
+def _init(state: TrainState) -> AccumState:
+    return empty_window(state.params, state.device)
+
+
+SUBSTATE = SubState(KEY, AccumState, _init)
+"""The across-calls window's declaration: ``state.substates[KEY]``, an empty window."""
 
 
 def grad_accumulate(step: Step, n: int, *, across_calls: bool = False) -> Step:
@@ -72,13 +80,9 @@ def grad_accumulate(step: Step, n: int, *, across_calls: bool = False) -> Step:
     if n == 1:
         return step
     if across_calls:
-
-        def init(state: TrainState) -> AccumState:
-            return empty_window(state.params, state.device)
-
         return step.with_phases(
             "grad_accumulate",
             window=attrs.evolve(step.window, n=n, across_calls=True),
-            substate=SubState(KEY, AccumState, init),
+            substate=SUBSTATE,
         )
     return step.with_phases("grad_accumulate", window=attrs.evolve(step.window, n=n))

@@ -11,7 +11,7 @@ population; three things are adapted to vmap, here:
 * ``torch._foreach_*`` kernels have no batching rules: a ``TorchFunctionMode`` runs
   each as the per-tensor ops it stands for (the same arithmetic, tensor by tensor);
 * random ops draw from each member's own generator state (``state.rng[i]``): dropout,
-  ``torch.rand``/``randn`` and their ``_like`` forms go through ``fasttorch._rng.draw_``,
+  ``torch.rand``/``randn`` and their ``_like`` forms go through ``fasttorch.state.draw_``,
   whose vmap rule draws member by member, so member ``i`` draws what its lone run
   draws; any other random op is refused (vmap's ``randomness="error"``), since it
   would draw from one generator for all members.
@@ -28,9 +28,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
-from fasttorch import _checks, _compat, _scope
-from fasttorch._rng import draw_
-from fasttorch.phases import Batch, Metrics
+from fasttorch import _checks, _compat
+from fasttorch.phases import Batch, Metrics, scoped_call
 from fasttorch.population import (
     KEY,
     Members,
@@ -38,7 +37,7 @@ from fasttorch.population import (
     check_optimizer,
     member_view,
 )
-from fasttorch.state import TrainState, commit
+from fasttorch.state import TrainState, commit, draw_
 from fasttorch.steps import Step, check_wrap
 from fasttorch.transforms._in_dims import InDims, check_batch_dims, check_in_dims
 from fasttorch.transforms.grad_accumulate import AccumState
@@ -183,7 +182,7 @@ def _run_population(
         "vmapped", lambda: functools.partial(_members, inner, in_dims, step.donate)
     )
     # Eager phases read the call scope: no in-place update, no backward into .grad.
-    with _scope.scope(in_place=False, into=None):
+    with scoped_call(in_place=False, into=None):
         try:
             return kernel(state, batch)  # type: ignore[no-any-return]
         except RuntimeError as e:

@@ -8,21 +8,21 @@ from typing import Literal
 import attrs
 import torch
 
-from fasttorch import _checks, _compat, _scope, struct
+from fasttorch import _checks, _compat, struct
 from fasttorch._checks import warn_once
-from fasttorch._late import LateRead
-from fasttorch.optim._fused import float_flag
 from fasttorch.phases import (
     SKIP_BUFFERS,
     Batch,
     GradOut,
+    LateRead,
     Loss,
     LossPhase,
     Metrics,
     Tensors,
+    call_scope,
+    float_flag,
     mark_skip,
     no_state_read_after_inner,
-    opaque_update,
     unscaled_norm,
 )
 from fasttorch.state import TrainState
@@ -75,6 +75,12 @@ class DynamicLossScale:
                 f"with_amp: min_scale={self.min_scale!r} is above init_scale="
                 f"{self.init_scale!r}; the floor must be at most the initial scale"
             )
+
+    @property
+    def substate(self) -> SubState:
+        """This rule's sub-state declaration: ``state.substates[KEY]``, a
+        :class:`LossScaleState` starting at ``init_scale``."""
+        return SubState(KEY, LossScaleState, self.init)
 
     def init(self, state: TrainState) -> LossScaleState:
         zero = torch.zeros((), dtype=torch.int64, device=state.device)
@@ -297,14 +303,14 @@ def with_amp(
     @no_state_read_after_inner
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         ls: LossScaleState = state.substates[KEY]
-        norm = unscaled_norm(g, opaque=opaque_update(state, g.donated))
+        norm = unscaled_norm(g)
         # inf or NaN: a norm is >= 0 otherwise (two operations; isfinite is four)
         found_inf = ~(norm < float("inf"))
         g = mark_skip(g.replace(norm=norm), found_inf)
         new, metrics = inner_update(state, g)
         # A copy: with donation the state's own scale tensor is overwritten next step.
         metrics["loss_scale"] = ls.scale.clone()
-        in_place = not torch.compiler.is_compiling() and _scope.current().in_place
+        in_place = not torch.compiler.is_compiling() and call_scope().in_place
         adjusted = rule.adjust_in_place(ls, found_inf) if in_place else rule.adjust(ls, found_inf)
         new = new.with_substate(KEY, adjusted)
         metrics["skipped"] = g.skip
@@ -315,6 +321,6 @@ def with_amp(
         loss=loss,
         grad=grad,
         update=update,
-        substate=(SubState(KEY, LossScaleState, rule.init), SKIP_BUFFERS),
+        substate=(rule.substate, SKIP_BUFFERS),
         hooks=(*step.hooks, _Floor(rule.min_scale)),
     )

@@ -41,11 +41,11 @@ from torch.nn.utils import parametrize
 
 from fasttorch import _compat
 from fasttorch._checks import warn_once
-from fasttorch._module import call_with, is_sharded, tied_names
+from fasttorch._compile.inductor_options import with_pass_first
+from fasttorch._compile.region_aliases import RegionAliases
+from fasttorch._core.state import call_with, is_sharded, tied_names
 from fasttorch.state import TrainState
 from fasttorch.substates import any_declares
-from fasttorch.transforms._inductor_options import with_pass_first
-from fasttorch.transforms._region_aliases import RegionAliases
 
 __all__ = [
     "CPU_AUTO_MIN_BLOCKS",
@@ -424,7 +424,7 @@ def choose(option: RegionsOption, args: tuple[Any, ...], backend: object) -> Blo
 
 def inductor_options(options: dict[str, Any]) -> dict[str, Any]:
     """``torch.compile`` arguments for a graph with regions: no C++ wrapper, and the
-    graph pass :class:`~fasttorch.transforms._region_aliases.RegionAliases` ahead of
+    graph pass :class:`~fasttorch._compile.region_aliases.RegionAliases` ahead of
     any of the caller's.
 
     Why no C++ wrapper: up to torch 2.14 it cannot call a region

@@ -8,7 +8,7 @@ import torch.utils._pytree as pytree
 
 import fasttorch
 from fasttorch import checkpoint
-from fasttorch.transforms.nonfinite import NonFiniteError
+from fasttorch.transforms.skip_nonfinite import NonFiniteError
 
 NAN = float("nan")
 

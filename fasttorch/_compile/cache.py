@@ -7,7 +7,7 @@ keeps both parts for later processes (a restarted job, a second process, every r
 ``torchrun`` job on a filesystem they share):
 
 * :func:`precompiled`: each compiled function traced ahead (torch's ``aot_compile``) and
-  written under ``cache_dir/fasttorch-steps/``, named by a :mod:`fasttorch._fingerprint`
+  written under ``cache_dir/fasttorch-steps/``, named by a :mod:`fasttorch._compile.fingerprint`
   digest of everything the trace could read (the guards on Python objects cannot be
   written); a process with the same digest loads it and runs no dynamo.
 * :func:`use_cache_dir`: the directory as this process's inductor cache (FX graphs with
@@ -32,7 +32,8 @@ import torch.utils._pytree as pytree
 
 from fasttorch import _compat
 from fasttorch._checks import warn_once
-from fasttorch._fingerprint import fingerprint
+from fasttorch._compile.fingerprint import fingerprint
+from fasttorch._version import __version__
 from fasttorch.state import TrainState, is_sharded
 
 __all__ = ["STEPS_DIR", "check_cache_dir", "kept", "precompiled", "use_cache_dir"]
@@ -132,7 +133,7 @@ def precompiled(
 ) -> Callable[..., Any] | None:
     """``mine`` (``fn`` over its own code) traced once and kept under ``path``, or loaded.
 
-    A later process that builds the same step (equal :func:`fasttorch._fingerprint`
+    A later process that builds the same step (equal :func:`fasttorch._compile.fingerprint`
     digest of the function, its closure, the arguments' metadata, the compile options and
     settings, the torch, fasttorch and Python versions and the CPU or GPU) loads dynamo's
     bytecode, its tensor guards and the compiled forward and backward instead of
@@ -252,8 +253,6 @@ def _submodules(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _key(fn: Any, opts: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    import fasttorch
-
     devices = sorted({str(t.device) for t in _tensors((args, kwargs))})
     gpus = [
         (d, torch.cuda.get_device_name(d), torch.cuda.get_device_capability(d))
@@ -262,7 +261,7 @@ def _key(fn: Any, opts: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str,
     ]
     env = (
         torch.__version__,
-        fasttorch.__version__,
+        __version__,
         sys.version,
         platform.machine(),
         torch.backends.cpu.get_cpu_capability(),

@@ -2,7 +2,7 @@
 
 ``torch.compile``'s arguments as the caller gave them, plus what fasttorch adds on
 the inductor backend: the float32 pass for bf16/fp16 matrix products on a CPU without
-half-precision units (:mod:`fasttorch.transforms._cpu_gemm`), the C++ wrapper for
+half-precision units (:mod:`fasttorch._compile.cpu_gemm`), the C++ wrapper for
 graphs whose tensors are all on the CPU, a cap on the fusion search, the CPU-only
 passes dropped from GPU graphs, and the early probe of the C++ compiler's instruction
 sets. Each takes options and returns new ones; none runs a graph.
@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 
 from fasttorch import _checks, _compat
 from fasttorch._checks import warn_once
-from fasttorch.transforms._cpu_gemm import CpuGemm, HalfGemmInFloat32, half_gemm_dtypes
+from fasttorch._compile.cpu_gemm import CpuGemm, HalfGemmInFloat32, half_gemm_dtypes
 
 
 def _with_cpu_gemm(

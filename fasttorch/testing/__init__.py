@@ -60,12 +60,17 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from fasttorch import _compat
-from fasttorch._cudagraphs import CudagraphReport, check_cudagraphs
 from fasttorch.models import Models
 from fasttorch.several import Several
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, eager
+from fasttorch.testing._cudagraphs import CudagraphReport, check_cudagraphs
+from fasttorch.transforms.clip_scaled import clip_scaled
+from fasttorch.transforms.compiled import compiled
+from fasttorch.transforms.ema import ema
+from fasttorch.transforms.grad_accumulate import grad_accumulate
 from fasttorch.transforms.profiled import Profiled
+from fasttorch.transforms.with_amp import with_amp
 
 __all__ = [
     "CHECKS",
@@ -156,8 +161,6 @@ class _Ctx:
 
     def fast(self) -> Any:
         """The compiled step, built once (so the checks share its compiled graphs)."""
-        from fasttorch.transforms.compiled import compiled
-
         if "fast" not in self.cache:
             self.cache["fast"] = (
                 self.step if self.is_compiled() else compiled(self.step, backend=self.backend)
@@ -239,13 +242,11 @@ def _check_dtype(c: _Ctx) -> str:
 
 
 def _compositions() -> list[tuple[str, Callable[[Step], Step]]]:
-    import fasttorch
-
     return [
-        ("with_amp", lambda s: fasttorch.with_amp(s, "bf16")),
-        ("grad_accumulate", lambda s: fasttorch.grad_accumulate(s, 2)),
-        ("clip_scaled", lambda s: fasttorch.clip_scaled(s, 1.0)),
-        ("ema", lambda s: fasttorch.ema(s, 0.9)),
+        ("with_amp", lambda s: with_amp(s, "bf16")),
+        ("grad_accumulate", lambda s: grad_accumulate(s, 2)),
+        ("clip_scaled", lambda s: clip_scaled(s, 1.0)),
+        ("ema", lambda s: ema(s, 0.9)),
     ]
 
 

@@ -127,7 +127,7 @@ class HalfGemmInFloat32(_compat.CustomGraphPass):  # type: ignore[misc]
     """
 
     # A step whose tensors are all on a GPU is compiled without this pass (see
-    # fasttorch.transforms._inductor_options._without_cpu_only_passes), nor the
+    # fasttorch._compile.inductor_options._without_cpu_only_passes), nor the
     # rounding option it set.
     cpu_only = True
 

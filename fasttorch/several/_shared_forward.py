@@ -25,7 +25,7 @@ import attrs
 import torch
 
 from fasttorch import struct
-from fasttorch._module import call_with
+from fasttorch._core.state import call_with
 from fasttorch.phases import Batch, GradOut, Loss, Tensors
 from fasttorch.state import TrainState
 from fasttorch.steps import Step

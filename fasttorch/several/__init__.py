@@ -24,9 +24,12 @@ from typing import Any
 
 import attrs
 
-from fasttorch import _scope
-from fasttorch._model_step import model_step
-from fasttorch._peers import (
+from fasttorch._core import state as _scope
+from fasttorch.evaluation import eval_step as _eval_step
+from fasttorch.models import Frozen, Member, Models, consume, failure_note
+from fasttorch.phases import Batch, Metrics, Tensors
+from fasttorch.several._model_step import model_step
+from fasttorch.several._peers import (
     KEY,
     Others,
     Peers,
@@ -35,17 +38,14 @@ from fasttorch._peers import (
     view,
     warn_captured,
 )
-from fasttorch._shared_forward import (
+from fasttorch.several._shared_forward import (
     Forward,
     Pending,
     check_outputs,
     check_owner_step,
     run_forwards,
 )
-from fasttorch._shared_scale import SharedScale
-from fasttorch.evaluation import eval_step as _eval_step
-from fasttorch.models import Frozen, Member, Models, consume, failure_note
-from fasttorch.phases import Batch, Metrics, Tensors
+from fasttorch.several._shared_scale import SharedScale
 from fasttorch.state import (
     TrainState,
     check_alive,

@@ -1,9 +1,9 @@
 """One member's step of a step over several models: :func:`model_step`.
 
 Its loss function is ``loss_fn(apply, batch, models)``; ``models`` are the other members
-(:class:`~fasttorch._peers.Peers`), which :func:`fasttorch.several` puts into the
+(:class:`~fasttorch.several._peers.Peers`), which :func:`fasttorch.several` puts into the
 member's state for the call. Its phases also run a shared forward for ``several``
-(:mod:`fasttorch._shared_forward`) and, for the member that owns one, differentiate
+(:mod:`fasttorch.several._shared_forward`) and, for the member that owns one, differentiate
 through it.
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from fasttorch._peers import KEY, Peers
-from fasttorch._shared_forward import FORWARD_KEY, PREFIX, Request, owner_grads
 from fasttorch.phases import Batch, Loss, Tensors, grad_phase, loss_phase, update_phase
+from fasttorch.several._peers import KEY, Peers
+from fasttorch.several._shared_forward import FORWARD_KEY, PREFIX, Request, owner_grads
 from fasttorch.state import TrainState
 from fasttorch.steps import Step
 

@@ -97,7 +97,8 @@ class Recompiles:
 
 def _caller_level() -> int:
     """``warnings.warn``'s stacklevel for the first frame outside fasttorch and torch."""
-    inside = (os.path.dirname(__file__) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+    package = os.path.dirname(os.path.dirname(__file__))  # fasttorch/, above _compile/
+    inside = (package + os.sep, os.path.dirname(torch.__file__) + os.sep)
     frame, level = sys._getframe(1), 1
     while frame.f_back is not None and frame.f_code.co_filename.startswith(inside):
         frame, level = frame.f_back, level + 1

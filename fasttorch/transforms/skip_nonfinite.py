@@ -5,14 +5,13 @@ from __future__ import annotations
 import torch
 
 from fasttorch import _checks, struct
-from fasttorch._late import LateRead
 from fasttorch.phases import (
     SKIP_BUFFERS,
     GradOut,
+    LateRead,
     Metrics,
     mark_skip,
     no_state_read_after_inner,
-    opaque_update,
     unscaled_norm,
 )
 from fasttorch.state import TrainState, check_alive
@@ -143,7 +142,7 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 20) -> Step:
         >>> guarded(state, bad)
         Traceback (most recent call last):
         ...
-        fasttorch.transforms.nonfinite.NonFiniteError: step 'loss_fn': the last 2 updates ...
+        fasttorch.transforms.skip_nonfinite.NonFiniteError: step 'loss_fn': the last 2 updates ...
     """
     check_wrap(step, "skip_nonfinite")
     if max_consecutive is not None:
@@ -158,7 +157,7 @@ def skip_nonfinite(step: Step, *, max_consecutive: int | None = 20) -> Step:
     @no_state_read_after_inner
     def update(state: TrainState, g: GradOut) -> tuple[TrainState, Metrics]:
         counts: NonFiniteState = state.substates[KEY]
-        norm = unscaled_norm(g, opaque=opaque_update(state, g.donated))
+        norm = unscaled_norm(g)
         g = mark_skip(g.replace(norm=norm), ~torch.isfinite(norm))
         skip = g.skip
         assert skip is not None

@@ -26,7 +26,7 @@ from typing import Any, Literal, TextIO
 import torch
 
 from fasttorch import _checks
-from fasttorch._writers import CSVWriter, JSONLWriter, TensorBoardWriter, scalars
+from fasttorch.loop._writers import CSVWriter, JSONLWriter, TensorBoardWriter, scalars
 
 __all__ = [
     "CSVWriter",

@@ -12,7 +12,7 @@ from typing import Any, TypeAlias
 
 import torch
 
-from fasttorch.state import TrainState
+from fasttorch._core.state import TrainState
 from fasttorch.substates import SubState
 
 __all__ = ["BUFFERS_KEY", "SKIP_BUFFERS", "restore_buffers"]
