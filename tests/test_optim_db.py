@@ -15,6 +15,10 @@ numbers), or refused when the optimizer is built, with one of the reasons listed
 ``torch.compile`` of torch's own step with ``capturable=True`` and a tensor lr, the
 kernel ``from_torch`` traces: rule 2 there, as the gradients come from the compiled
 backward (``FACTOR`` x the fp32 loop's own error against float64, measured here).
+Adam and AdamW trace torch's default (non-capturable) form instead, its host arithmetic
+in float64 tensors: compiled, every input torch runs without ``capturable`` or ``fused``
+(as given, and with ``foreach=True``) equals torch's eager loop with those flags bit for
+bit (rule 1: aot_eager runs eager's kernels, the backward included).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 import pytest
 import torch
 from reference import batches, mse, reference_run
-from tolerance import fp32_reference_error, params_atol
+from tolerance import EXACT, fp32_reference_error, params_atol
 from torch import nn
 
 import fasttorch
@@ -249,6 +253,42 @@ def test_compiled_case_equals_torch_compiled(case: Case) -> None:
     bound = params_atol(errors, want)
     for n, p in state.params.items():
         torch.testing.assert_close(p, want[n], rtol=0.0, atol=bound, msg=lambda m, n=n: f"{n}: {m}")
+
+
+def _default_form_cases() -> list[Case]:
+    """Adam's and AdamW's inputs torch runs in its default (non-capturable) form: each
+    as given and with ``foreach=True`` (``_multi_tensor_adam``: the same numbers)."""
+    out = []
+    for c in CASES:
+        if c.cls.__name__ not in ("Adam", "AdamW") or set(c.kwargs) & set(SWITCHES):
+            continue
+        out += [c, Case(c.cls, {**c.kwargs, "foreach": True}, f"{c.desc} & foreach=True")]
+    # A tensor lr (torch computes its step size in the tensor's dtype).
+    tensor_lr = {"lr": torch.tensor(3e-4), "weight_decay": 0.1}
+    out += [Case(cls, tensor_lr, "tensor lr") for cls in (torch.optim.Adam, torch.optim.AdamW)]
+    return out
+
+
+DEFAULT_FORM = _default_form_cases()
+
+
+@pytest.mark.parametrize("case", DEFAULT_FORM, ids=[c.id for c in DEFAULT_FORM])
+def test_compiled_adam_equals_torch_default_form_bit_for_bit(case: Case) -> None:
+    """Rule 1 (module docstring): the compiled step against ``torch.optim.X(**kwargs)``
+    stepped eagerly, its default flags (no ``capturable``), on a deep copy."""
+    model, data = _model(case.cls), _data()
+    state = fasttorch.TrainState.create(
+        copy.deepcopy(model), optim.from_torch(case.cls, **_copy(case.kwargs))
+    )
+    step = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    for batch in data:
+        state, _ = step(state, batch)
+    ref = _torch_loop(model, case, data)
+    assert isinstance(ref, nn.Module), ref
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(
+            state.params[n], p.detach(), **EXACT, msg=lambda m, n=n: f"{n}: {m}"
+        )
 
 
 if __name__ == "__main__":  # python tests/test_optim_db.py: the eager cases by outcome
