@@ -246,7 +246,10 @@ def check_outputs(
                 f"for {list(steps)}; a shared forward belongs to a member that trains here"
             )
         if not callable(fn):
-            raise TypeError(f"several: output {name!r}: {fn!r} is not callable")
+            raise TypeError(
+                f"several: output {name!r}: {fn!r} is not callable; give (member, forward_fn)"
+                ", e.g. outputs={'fake': ('g', lambda apply, batch: apply(batch[1]))}"
+            )
         checked.append((name, Forward(owner=owner, fn=fn)))
     return tuple(checked)
 

@@ -279,7 +279,10 @@ def several(
             "write several({'d': d_step, 'g': g_step})"
         )
     if not steps:
-        raise ValueError("several: give at least one member's step")
+        raise ValueError(
+            f"several: give at least one member's step, got {dict(steps)!r}; write "
+            "several({'d': fasttorch.model_step(d_loss), 'g': fasttorch.model_step(g_loss)})"
+        )
     seen: dict[int, str] = {}
     for name, s in steps.items():
         if not isinstance(name, str):
