@@ -421,7 +421,7 @@ def _run(step: Several, state: Models, batch: Batch) -> tuple[Models, Metrics]:
                 own = scale.give(step.name, name, own)
             warn_captured(s, name, members)
             mine = tuple(n for n, f in step.outputs if f.owner == name)
-            with _scope.scope(progress=progress):
+            with _scope.scope(progress=progress, shared=pending):
                 new, metrics[name] = _run_member(s, name, own, members, batch, outputs, mine)
             progress.began = True  # a donating step's results are in its input's tensors
             members[name] = new

@@ -517,3 +517,29 @@ def test_an_owner_reading_neither_apply_nor_its_output_is_refused(compile: bool)
     s, _ = state(g, d)
     with pytest.raises(ValueError, match="reached none of the state's parameters"):
         step(s, data(1)[0])
+
+
+def test_each_call_backpropagates_its_own_shared_forward() -> None:
+    """The kept graphs travel in the call's own scope, not a module-level table: a call
+    made inside another call's loss (the same member names, its own shared forward) ends
+    without dropping the outer call's graphs, and both equal their calls made alone
+    (rule 1: the same operations on the same inputs)."""
+    g, d = models()
+    outer_batch, inner_batch = data(2)
+    inner_step = gan()
+    alone, _ = run(inner_step, state(g, d)[0], [inner_batch])
+    inner_result: list[fasttorch.Models] = []
+
+    def d_loss_calling_a_step(apply: Any, batch: Any, peers: fasttorch.Peers) -> Any:
+        if not inner_result:
+            inner_result.append(inner_step(state(g, d)[0], inner_batch)[0])
+        return d_loss(apply, batch, peers)
+
+    outer_step = fasttorch.several(
+        {"d": fasttorch.model_step(d_loss_calling_a_step), "g": fasttorch.model_step(g_loss)},
+        outputs={"fake": ("g", make_fake)},
+    )
+    outer, _ = run(outer_step, state(g, d)[0], [outer_batch])
+    plain, _ = run(gan(), state(g, d)[0], [outer_batch])
+    assert_close(tensors(outer), tensors(plain), 0.0)
+    assert_close(tensors(inner_result[0]), tensors(alone), 0.0)
