@@ -214,15 +214,21 @@ ALGORITHMS: dict[str, Algorithm] = {
         "adamax",
         ("exp_avg", "exp_inf", "step"),
         _zeros("exp_avg", "exp_inf"),
+        traced=_adam_default.adamax,
     ),
     "NAdam": Algorithm(
-        "torch.optim.nadam", "nadam", ("exp_avg", "exp_avg_sq", "mu_product", "step"), _nadam
+        "torch.optim.nadam",
+        "nadam",
+        ("exp_avg", "exp_avg_sq", "mu_product", "step"),
+        _nadam,
+        traced=_adam_default.nadam,
     ),
     "RAdam": Algorithm(
         "torch.optim.radam",
         "radam",
         ("exp_avg", "exp_avg_sq", "step"),
         _zeros("exp_avg", "exp_avg_sq"),
+        traced=_adam_default.radam,
     ),
     "ASGD": Algorithm("torch.optim.asgd", "asgd", ("ax", "mu", "eta", "step"), _asgd),
     "Rprop": Algorithm(

@@ -359,11 +359,13 @@ def from_torch(
       same way, bit for bit: torch's default CPU kernel (or ``fused=True``'s), given
       the lr as the Python float (a tensor lr: as that tensor) and the step count as
       torch keeps it (host memory, nothing to wait for);
-    - compiled, Adam and AdamW: torch's default (non-capturable) form, its host
-      arithmetic (step count, bias corrections, step size) in float64 tensors, so no
-      host read and no recompile: on a CPU with ``backend="aot_eager"`` (eager's
-      kernels) bit for bit ``torch.optim.X(params, lr=lr, **hyperparams)`` stepped
-      eagerly; a compiler generating its own kernels (inductor) rounds within its rules;
+    - compiled, Adam, AdamW, Adamax, NAdam and RAdam: torch's default
+      (non-capturable) form, its host arithmetic (step count, bias corrections, step
+      size) in float64 tensors, so no host read and no recompile: on a CPU with
+      ``backend="aot_eager"`` (eager's kernels) bit for bit ``torch.optim.X(params,
+      lr=lr, **hyperparams)`` stepped eagerly (NAdam and RAdam with ``foreach=True``:
+      within the last bits, as torch's foreach and single-tensor forms differ); a
+      compiler generating its own kernels (inductor) rounds within its rules;
     - compiled, the other classes (and eagerly on an accelerator, all of them), torch's
       ``capturable=True`` kernel
       with the lr as a float32 tensor (``torch.tensor(lr)``; a tensor lr as given), so
