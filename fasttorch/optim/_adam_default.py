@@ -13,7 +13,8 @@ float64 tensor, ``1 - beta ** step``, ``lr / bias_correction1`` and
 ``bias_correction2 ** 0.5`` in 0-d float64 tensors by the same C ``pow`` and IEEE
 operations Python uses, then torch's float32 operations in torch's order. A 0-d float64
 tensor beside a float32 tensor is rounded to float32 as a Python scalar is (0-d tensors
-do not promote), so each kernel sees the operand torch's loop gives it. ``addcdiv_``'s
+do not promote; beside another 0-d tensor it would, so it is rounded first there), so
+each kernel sees the operand torch's loop gives it. ``addcdiv_``'s
 ``value`` must be a number, so ``p.addcdiv_(m, d, value=-s)`` is written as the kernel
 computes it: ``p + (-s * m) / d``. ``_multi_tensor_adam`` (``foreach=True``) without
 ``capturable`` computes the same numbers in the same order (``(lr / bc) * -1`` is
