@@ -105,10 +105,12 @@ def create_population(
             ``TrainState.create(..., seed=...)``.
 
     Raises:
-        ValueError: ``n`` < 1, a wrong number of seeds or values, an unknown
+        ValueError: ``n`` < 1, a wrong number of seeds or values, two members that
+            would train alike (repeated seeds, rng seeds and hyperparameters), an unknown
             hyperparameter, a module with BatchNorm running statistics or one sharded
             with FSDP2, parameters that ``reset_parameters`` cannot re-initialise.
-        TypeError: an optimizer that wraps a ``torch.optim`` class (``from_torch``).
+        TypeError: an optimizer that wraps a ``torch.optim`` class (``from_torch``), a
+            seed that is not an int.
 
     Example:
         >>> import torch, fasttorch
@@ -122,6 +124,7 @@ def create_population(
     """
     _checks.count("create_population", "n", n)
     check_optimizer(optimizer, "create_population")
+    _check_distinct(n, init, seeds, rng_seeds, hyper or {})
     modules = _member_modules(model, n, init, seeds)
     for m in modules:
         check_module(m, "create_population")
@@ -137,6 +140,49 @@ def create_population(
         rng=torch.stack(rngs),
         substates={KEY: Members(index=torch.arange(n, device=device))},
     )
+
+
+def _check_distinct(
+    n: int,
+    init: str,
+    seeds: Sequence[int] | None,
+    rng_seeds: Sequence[int] | None,
+    hyper: Mapping[str, Sequence[float]],
+) -> None:
+    """Raise for a seed that is not an int, and for two members that would train alike.
+
+    Without ``rng_seeds`` a member's random generator follows its seed, so two members
+    whose ``seeds`` repeat (and whose hyperparameters do) start and train alike: one of
+    them computes nothing the other does not. ``rng_seeds`` given one by one may repeat
+    on purpose (the same dropout draws for two members).
+    """
+    for what, given in (("seeds", seeds), ("rng_seeds", rng_seeds)):
+        for i, s in enumerate(given or ()):
+            _checks.count("create_population", f"{what}[{i}]", s, low=-(2**63), kind="an int")
+    if rng_seeds is not None or not isinstance(hyper, Mapping):
+        return  # rng seeds chosen one by one (repeats on purpose); a wrong hyper: below
+    if seeds is not None and len(seeds) != n:
+        return  # said with its own message below
+
+    def hyper_of(i: int) -> tuple[Any, ...]:
+        try:
+            return tuple(repr(v[i]) for v in hyper.values())  # type: ignore[index]
+        except (TypeError, IndexError, KeyError):  # checked with their own messages later
+            return (i,)
+
+    start = list(range(n)) if seeds is None else list(seeds)
+    seen: dict[tuple[Any, ...], int] = {}
+    for i in range(n):
+        key = (start[i], hyper_of(i))
+        if key in seen:
+            raise ValueError(
+                f"create_population: members {seen[key]} and {i} would train alike: "
+                f"seeds={list(start)} repeat {start[i]} (each member's start, with "
+                f"init={init!r}, and its random generator) and their hyperparameters "
+                "repeat too, so one computes nothing the other does not. Give each member "
+                "its own seed (seeds=range(n)), or other hyper values, or rng_seeds."
+            )
+        seen[key] = i
 
 
 def _rng_seeds(n: int, seeds: Sequence[int] | None, rng_seeds: Sequence[int] | None) -> list[int]:

@@ -15,6 +15,11 @@ numbers), or refused when the optimizer is built, with one of the reasons listed
 ``torch.compile`` of torch's own step with ``capturable=True`` and a tensor lr, the
 kernel ``from_torch`` traces: rule 2 there, as the gradients come from the compiled
 backward (``FACTOR`` x the fp32 loop's own error against float64, measured here).
+Adam, AdamW, Adamax, NAdam and RAdam trace torch's default (non-capturable) form
+instead, its host arithmetic in float64 tensors: compiled, every input torch runs
+without ``capturable`` or ``fused`` (as given, and with ``foreach=True``) equals torch's
+eager loop with those flags bit for bit (rule 1: aot_eager runs eager's kernels, the
+backward included), except NAdam and RAdam with ``foreach=True`` (rule 2, at the test).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Any
 import pytest
 import torch
 from reference import batches, mse, reference_run
-from tolerance import fp32_reference_error, params_atol
+from tolerance import EXACT, fp32_reference_error, params_atol
 from torch import nn
 
 import fasttorch
@@ -249,6 +254,86 @@ def test_compiled_case_equals_torch_compiled(case: Case) -> None:
     bound = params_atol(errors, want)
     for n, p in state.params.items():
         torch.testing.assert_close(p, want[n], rtol=0.0, atol=bound, msg=lambda m, n=n: f"{n}: {m}")
+
+
+TRACED = sorted(n for n, a in ALGORITHMS.items() if a.traced is not None)
+# torch's _multi_tensor_nadam and _multi_tensor_radam order their arithmetic otherwise
+# than the single-tensor forms (torch's two forms differ from each other in the last
+# bits); the traced form is the single-tensor one, torch's CPU default: rule 2 against
+# foreach=True (FACTOR x the fp32 loop's own error against float64, measured here).
+FOREACH_REORDERED = {"NAdam", "RAdam"}
+
+
+def _default_form_cases() -> list[Case]:
+    """The inputs torch runs in its default (non-capturable) form, of each class whose
+    default form from_torch traces: each as given and with ``foreach=True`` (the
+    ``_multi_tensor_*`` form), and a tensor lr (torch computes with it in its dtype)."""
+    out = []
+    for c in CASES:
+        if c.cls.__name__ not in TRACED or set(c.kwargs) & set(SWITCHES):
+            continue
+        out += [c, Case(c.cls, {**c.kwargs, "foreach": True}, f"{c.desc} & foreach=True")]
+    tensor_lr = {"lr": torch.tensor(3e-4), "weight_decay": 0.1}
+    out += [Case(getattr(torch.optim, n), tensor_lr, "tensor lr") for n in TRACED]
+    return out
+
+
+DEFAULT_FORM = _default_form_cases()
+
+
+@pytest.mark.parametrize("case", DEFAULT_FORM, ids=[c.id for c in DEFAULT_FORM])
+def test_compiled_default_form_equals_torch_bit_for_bit(case: Case) -> None:
+    """Rule 1 (module docstring): the compiled step against ``torch.optim.X(**kwargs)``
+    stepped eagerly, its default flags (no ``capturable``), on a deep copy."""
+    model, data = _model(case.cls), _data()
+    state = fasttorch.TrainState.create(
+        copy.deepcopy(model), optim.from_torch(case.cls, **_copy(case.kwargs))
+    )
+    step = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    for batch in data:
+        state, _ = step(state, batch)
+    ref = _torch_loop(model, case, data)
+    assert isinstance(ref, nn.Module), ref
+    bound = EXACT
+    if case.kwargs.get("foreach") and case.cls.__name__ in FOREACH_REORDERED:
+        errors = fp32_reference_error(
+            model, [[b] for b in data], make_opt=lambda ps: case.cls(list(ps), **_copy(case.kwargs))
+        )
+        want = {n: p.detach() for n, p in ref.named_parameters()}
+        bound = {"rtol": 0.0, "atol": params_atol(errors, want)}
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(
+            state.params[n], p.detach(), **bound, msg=lambda m, n=n: f"{n}: {m}"
+        )
+
+
+class _Scaled(nn.Module):
+    """A linear layer times a learned 0-d scale: a scalar parameter beside matrices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 2)
+        self.scale = nn.Parameter(torch.tensor(0.75))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("name", TRACED)
+def test_compiled_default_form_with_a_scalar_parameter(name: str) -> None:
+    """Rule 1. A 0-d parameter: beside it a float64 0-d tensor would promote where
+    torch's Python float does not (the replicas round it first)."""
+    cls, kwargs = getattr(torch.optim, name), {"weight_decay": 0.1}
+    model, data = _Scaled(), _data()
+    state = fasttorch.TrainState.create(copy.deepcopy(model), optim.from_torch(cls, **kwargs))
+    step = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    for batch in data:
+        state, _ = step(state, batch)
+    ref = _torch_loop(model, Case(cls, kwargs, "scalar parameter"), data)
+    assert isinstance(ref, nn.Module), ref
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(state.params[n], p.detach(), **EXACT, msg=lambda m, n=n: n)
 
 
 if __name__ == "__main__":  # python tests/test_optim_db.py: the eager cases by outcome

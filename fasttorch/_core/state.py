@@ -243,13 +243,17 @@ class CallScope:
     ``into``: an eager accumulation window whose backward adds into the module's ``.grad``
     (a :class:`fasttorch.phases.IntoGrad`), or ``None``. ``progress``: the driver's
     :class:`Progress` of the call. ``state_window``: the accumulation window the call
-    adds into is the state's own (across calls), not a scratch one.
+    adds into is the state's own (across calls), not a scratch one. ``shared``: a
+    several-model call's shared forwards, kept for their owners' steps (a
+    ``fasttorch.several._shared_forward.Pending``), or ``None``; read by the operator
+    that backpropagates them, which runs outside graphs.
     """
 
     in_place: bool = False
     into: Any = None
     progress: Progress | None = None
     state_window: bool = False
+    shared: Any = None
 
 
 class Progress:

@@ -17,6 +17,8 @@ import attrs
 import torch
 from torch import Tensor
 
+from fasttorch.optim import _adam_default
+
 __all__ = ["ALGORITHMS", "CONTROL", "REFUSED", "Algorithm"]
 
 # Group entries that are switches of the call, not hyperparameters.
@@ -54,6 +56,9 @@ class Algorithm:
             it writes NaN where the moments are 0 (torch's eager form does not):
             ``TorchOptimizer`` keeps the old parameters there. Found for each class
             by tests/test_optim_torch.py's lr-0 test.
+        traced: the class's default (non-capturable) form with its host arithmetic in
+            tensors, run in a compiled step instead of the capturable form (the same
+            arguments, ``lr`` a 0-d tensor), or ``None``.
     """
 
     module: str
@@ -66,6 +71,7 @@ class Algorithm:
     eager_only: str = ""
     check: Callable[[Mapping[str, Any]], None] | None = None
     nan_at_zero_lr: bool = False
+    traced: Callable[..., None] | None = None
 
     def kwargs(self, group: Mapping[str, Any]) -> dict[str, Any]:
         """The group's hyperparameters under the functional form's keyword names."""
@@ -172,7 +178,14 @@ def _muon(p: Tensor, group: Mapping[str, Any], lr: float) -> dict[str, Tensor]:
 _ADAM_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")
 
 ALGORITHMS: dict[str, Algorithm] = {
-    "Adam": Algorithm("torch.optim.adam", "adam", _ADAM_STATE, _adam, nan_at_zero_lr=True),
+    "Adam": Algorithm(
+        "torch.optim.adam",
+        "adam",
+        _ADAM_STATE,
+        _adam,
+        nan_at_zero_lr=True,
+        traced=_adam_default.adam,
+    ),
     "AdamW": Algorithm(
         "torch.optim.adam",
         "adam",
@@ -180,6 +193,7 @@ ALGORITHMS: dict[str, Algorithm] = {
         _adam,
         fixed=(("decoupled_weight_decay", True),),
         nan_at_zero_lr=True,
+        traced=_adam_default.adam,
     ),
     "SGD": Algorithm("torch.optim.sgd", "sgd", ("momentum_buffer",), _sgd, True, check=_sgd_check),
     "RMSprop": Algorithm(
@@ -200,15 +214,21 @@ ALGORITHMS: dict[str, Algorithm] = {
         "adamax",
         ("exp_avg", "exp_inf", "step"),
         _zeros("exp_avg", "exp_inf"),
+        traced=_adam_default.adamax,
     ),
     "NAdam": Algorithm(
-        "torch.optim.nadam", "nadam", ("exp_avg", "exp_avg_sq", "mu_product", "step"), _nadam
+        "torch.optim.nadam",
+        "nadam",
+        ("exp_avg", "exp_avg_sq", "mu_product", "step"),
+        _nadam,
+        traced=_adam_default.nadam,
     ),
     "RAdam": Algorithm(
         "torch.optim.radam",
         "radam",
         ("exp_avg", "exp_avg_sq", "step"),
         _zeros("exp_avg", "exp_avg_sq"),
+        traced=_adam_default.radam,
     ),
     "ASGD": Algorithm("torch.optim.asgd", "asgd", ("ax", "mu", "eta", "step"), _asgd),
     "Rprop": Algorithm(

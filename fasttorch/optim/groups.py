@@ -316,7 +316,8 @@ def groups(
         A :class:`Groups` optimizer.
 
     Raises:
-        TypeError: an override the optimizer does not have, or a rule of another shape.
+        TypeError: a default that is not an optimizer, an override the optimizer does
+            not have, or a rule of another shape.
 
     Example:
         >>> import torch, fasttorch
@@ -329,6 +330,12 @@ def groups(
         >>> opt.assign(state.params), float(state.opt_state.hyper["group0.weight_decay"])
         ({'weight': 0, 'bias': 1}, 0.0)
     """
+    if not all(callable(getattr(default, k, None)) for k in ("init", "update")):
+        raise TypeError(
+            f"groups: default must be an optimizer (with init and update), got "
+            f"{default!r}. Pass e.g. fasttorch.optim.adamw(1e-3) or "
+            "fasttorch.optim.from_torch(torch.optim.AdamW)."
+        )
     if isinstance(rules, Mapping) or not all(isinstance(r, tuple) and len(r) == 2 for r in rules):
         raise TypeError(
             "groups: rules must be a list of (selector, overrides) pairs, got "

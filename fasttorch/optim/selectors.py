@@ -124,11 +124,16 @@ def with_module(predicate: Callable[[str, Tensor, nn.Module], bool]) -> ModuleSe
         >>> heads("0.weight", torch.ones(1, 4), torch.nn.Linear(4, 1))
         True
     """
-    if not callable(predicate):
+    if not callable(predicate) or isinstance(predicate, nn.Module) or _is_module_class(predicate):
         raise TypeError(
-            f"with_module takes a predicate (name, tensor, module) -> bool, got {predicate!r}"
+            f"with_module takes a predicate (name, tensor, module) -> bool, got {predicate!r}."
+            " To select by the owning module's type, use in_module(torch.nn.LayerNorm, ...)."
         )
     return ModuleSelector(predicate, f"with_module({getattr(predicate, '__name__', predicate)})")
+
+
+def _is_module_class(x: object) -> bool:
+    return isinstance(x, type) and issubclass(x, nn.Module)
 
 
 def is_bias(name: str, tensor: Tensor) -> bool:

@@ -79,12 +79,20 @@ class TorchOptimizer:
         for k, why in _SWITCHES.items():
             if options.get(k):
                 raise ValueError(
-                    f"from_torch({name}): {k}=True is not supported: {why}. Leave it out "
-                    f"(or pass {k}=False, torch's default)."
+                    f"from_torch({name}): {k}={options[k]!r} is not supported (only "
+                    f"False, torch's default): {why}. Leave it out (or pass {k}=False)."
                 )
         placeholder = torch.zeros(2, 2, requires_grad=True)
         # torch validates the hyperparameters and fills in its defaults.
-        group = dict(self._torch([placeholder]).param_groups[0])
+        try:
+            group = dict(self._torch([placeholder]).param_groups[0])
+        except (ValueError, TypeError, IndexError) as e:
+            e.add_note(
+                f"fasttorch: raised by torch.optim.{name}(params, lr={self.lr!r}, "
+                f"**{options!r}) when from_torch checked the arguments: they are passed "
+                f"to torch unchanged; see help(torch.optim.{name}) for the valid ones."
+            )
+            raise
         del group["params"]
         algorithm = ALGORITHMS[name]
         if algorithm.check is not None:
@@ -220,6 +228,11 @@ class TorchOptimizer:
             kwargs.update(self._call_flags(p, group, accepted))
             if "lr" in accepted:  # Rprop reads it only to start its step sizes (init)
                 kwargs["lr"] = self._kernel_lr(lr)
+            if algorithm.traced is not None and _compiling():
+                # torch's default form, its host floats as float64 tensors (no capturable)
+                fn = algorithm.traced
+                kwargs["capturable"] = False
+                kwargs["lr"] = lr.to(self.lr_dtype or torch.float64)
             if "has_complex" in accepted:
                 kwargs["has_complex"] = False  # TrainState.create refuses complex parameters
             # torch's capturable single-tensor form divides by lr: at lr 0 it writes
@@ -347,7 +360,15 @@ def from_torch(
       same way, bit for bit: torch's default CPU kernel (or ``fused=True``'s), given
       the lr as the Python float (a tensor lr: as that tensor) and the step count as
       torch keeps it (host memory, nothing to wait for);
-    - compiled (and eagerly on an accelerator), torch's ``capturable=True`` kernel
+    - compiled, Adam, AdamW, Adamax, NAdam and RAdam: torch's default
+      (non-capturable) form, its host arithmetic (step count, bias corrections, step
+      size) in float64 tensors, so no host read and no recompile: on a CPU with
+      ``backend="aot_eager"`` (eager's kernels) bit for bit ``torch.optim.X(params,
+      lr=lr, **hyperparams)`` stepped eagerly (NAdam and RAdam with ``foreach=True``:
+      within the last bits, as torch's foreach and single-tensor forms differ); a
+      compiler generating its own kernels (inductor) rounds within its rules;
+    - compiled, the other classes (and eagerly on an accelerator, all of them), torch's
+      ``capturable=True`` kernel
       with the lr as a float32 tensor (``torch.tensor(lr)``; a tensor lr as given), so
       that step count and lr stay on the device and a new lr is no new graph: what
       ``torch.compile`` of ``X(..., capturable=True, lr=torch.tensor(lr)).step`` runs

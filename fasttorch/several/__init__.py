@@ -279,7 +279,10 @@ def several(
             "write several({'d': d_step, 'g': g_step})"
         )
     if not steps:
-        raise ValueError("several: give at least one member's step")
+        raise ValueError(
+            f"several: give at least one member's step, got {dict(steps)!r}; write "
+            "several({'d': fasttorch.model_step(d_loss), 'g': fasttorch.model_step(g_loss)})"
+        )
     seen: dict[int, str] = {}
     for name, s in steps.items():
         if not isinstance(name, str):
@@ -418,7 +421,7 @@ def _run(step: Several, state: Models, batch: Batch) -> tuple[Models, Metrics]:
                 own = scale.give(step.name, name, own)
             warn_captured(s, name, members)
             mine = tuple(n for n, f in step.outputs if f.owner == name)
-            with _scope.scope(progress=progress):
+            with _scope.scope(progress=progress, shared=pending):
                 new, metrics[name] = _run_member(s, name, own, members, batch, outputs, mine)
             progress.began = True  # a donating step's results are in its input's tensors
             members[name] = new

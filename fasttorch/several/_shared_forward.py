@@ -13,7 +13,11 @@ graph calls as it is) carries it into the owner's parameters: the plain loop's s
 ``backward``, split at ``fake``, the same kernels in the same order.
 
 ``torch.library.custom_op`` is public API; the graph it backpropagates lives outside
-the member's compiled graph, handed over by the driver for one call (:class:`Pending`).
+the member's compiled graph (an autograd graph is a Python object, so the operator runs
+it eagerly, under ``compiled`` too), handed over by the driver for one call: the call's
+:class:`Pending` travels in the call's own scope (:mod:`fasttorch._core.state`), not in a
+module-level table, so two calls running at once (threads, a step called inside another
+call's loss) each backpropagate their own graphs.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import attrs
 import torch
 
 from fasttorch import struct
+from fasttorch._core import state as _scope
 from fasttorch._core.state import call_with
 from fasttorch.phases import Batch, GradOut, Loss, Tensors
 from fasttorch.state import TrainState
@@ -55,34 +60,34 @@ class Forward:
     fn: Callable[[Callable[..., Any], Batch], Any]
 
 
-# Per owner, the shared forwards' outputs (with their graphs) and the leaves they were
-# computed from, set by the driver before the owner's step and cleared after the call.
-_PENDING: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-
-
 class Pending:
     """The graphs of one call's shared forwards, kept from the start of the call until
-    their owner's step; a context manager that drops them when the call ends."""
+    their owner's step; a context manager that drops them when the call ends.
+
+    ``graphs``: per owner, the shared forwards' outputs (with their graphs) and the
+    leaves they were computed from. The driver runs the members' steps with this object
+    in the call's scope (``_scope.scope(shared=pending)``), where :data:`backward_op`
+    finds it.
+    """
 
     def __init__(self) -> None:
-        self.keys: list[str] = []
+        self.graphs: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     def keep(self, key: str, outputs: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
-        _PENDING[key] = (outputs, leaves)
-        self.keys.append(key)
+        self.graphs[key] = (outputs, leaves)
 
     def __enter__(self) -> Pending:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for k in self.keys:
-            _PENDING.pop(k, None)
+        self.graphs.clear()
 
 
 def _backward_impl(
     key: str, cotangents: list[torch.Tensor], params: list[torch.Tensor]
 ) -> list[torch.Tensor]:
-    pending = _PENDING.get(key)
+    call = _scope.current().shared
+    pending = call.graphs.get(key) if isinstance(call, Pending) else None
     if pending is None:
         raise RuntimeError(
             f"fasttorch: member {key!r}'s step reads a shared forward's output, but no "
@@ -246,7 +251,10 @@ def check_outputs(
                 f"for {list(steps)}; a shared forward belongs to a member that trains here"
             )
         if not callable(fn):
-            raise TypeError(f"several: output {name!r}: {fn!r} is not callable")
+            raise TypeError(
+                f"several: output {name!r}: {fn!r} is not callable; give (member, forward_fn)"
+                ", e.g. outputs={'fake': ('g', lambda apply, batch: apply(batch[1]))}"
+            )
         checked.append((name, Forward(owner=owner, fn=fn)))
     return tuple(checked)
 
