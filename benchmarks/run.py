@@ -492,13 +492,17 @@ def analyse(block: dict[str, Any], baseline: str = "B0", tol: float = 0.05) -> d
                 (x["bf16_matmul_tflops"] for x in res_all if "bf16_matmul_tflops" in x), None
             ),
         }
-    against: dict[str, Summary] = {}
+    # --against: this tree's variant over the other tree's, per round, every round
+    against: dict[str, dict[str, Any]] = {}
     for key in times:
         if "@" in key and base_variant(key) in times:
-            new, old = base_variant(key), times[key]
-            both = [r for r in sorted(times[new]) if r in old]
+            new, old = times[base_variant(key)], times[key]
+            both = [r for r in sorted(new) if r in old]
             if both:
-                against[new] = summarize({new: times[new], key: old}, key, both)[new]
+                against[base_variant(key)] = {
+                    "speed": summarize({"new": new, "old": old}, "old", both)["new"],
+                    "old_s": statistics.median(old[r] for r in both),
+                }
     probes = [
         res["isa_probe_s"]
         for by_v in runs.values()
@@ -563,7 +567,7 @@ def _round(item: tuple[Any, float]) -> int:
 
 def _against_table(block: dict[str, Any], a: dict[str, Any]) -> list[str]:
     """This tree's fasttorch variants against the same variants of ``--against``'s tree."""
-    against: dict[str, Summary] = a.get("against") or {}
+    against: dict[str, dict[str, Any]] = a.get("against") or {}
     if not against:
         return []
     commit = block.get("against_commit") or "?"
@@ -576,19 +580,17 @@ def _against_table(block: dict[str, Any], a: dict[str, Any]) -> list[str]:
         "after this tree's, the blocks taking turns. New/old speed is the median over the "
         "rounds of (old ms/step) / (new ms/step) in the same round, min-max in brackets; "
         "above 1 this tree is faster. Every round counts (both sides ran in it, so the "
-        "drift rule, which is about B0 across rounds, discards none here).",
+        "drift rule, which is about B0 across rounds, discards none here); the ms/step "
+        "are medians over the same rounds.",
         "",
         f"| variant | this tree ms/step | {commit[:7]} ms/step | new/old speed [min-max] "
         "| rounds |",
         "|---|---:|---:|---:|---:|",
     ]
-    summary = a["summary"]
-    for v, s in against.items():
-        old = summary.get(against_key(v, commit))
-        new = summary.get(v)
+    for v, c in against.items():
+        s: Summary = c["speed"]
         lines.append(
-            f"| {v} | {_fmt(1e3 * new.seconds_per_step if new else None)} "
-            f"| {_fmt(1e3 * old.seconds_per_step if old else None)} "
+            f"| {v} | {1e3 * s.seconds_per_step:.2f} | {1e3 * c['old_s']:.2f} "
             f"| {s.ratio_to_baseline:.2f} [{s.ratio_min:.2f}-{s.ratio_max:.2f}] "
             f"| {s.rounds} |"
         )
