@@ -12,12 +12,19 @@ warm-up steps are untimed; a run's time is the median of its blocks; a round who
 baseline (B0) time per step drifts more than 5% from the baseline's median over
 rounds is discarded, and the document says so. Round 0 compiles into a fresh
 ``TORCHINDUCTOR_CACHE_DIR`` per variant (cold); later rounds reuse it (warm).
+
+``--against REV`` also runs each fasttorch variant (F0, F1, ...) with the ``fasttorch/``
+of another commit of this repository (``git archive`` into a temporary directory,
+removed at the end; the user's tree is never touched), measured by this tree's harness
+in the same rounds, each right after this tree's, and reports the speed of this tree
+over that one per model and variant.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import json
 import os
 import platform
@@ -26,6 +33,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import threading
 import time
@@ -85,11 +93,101 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="check the machinery in seconds: M1, B0 and F0, tiny blocks (numbers mean nothing)",
     )
+    p.add_argument(
+        "--against",
+        metavar="REV",
+        default=None,
+        help="also run each fasttorch variant (F0, F1, ...) with the fasttorch/ of this "
+        "git revision (this tree's harness, the same rounds) and report this tree's speed "
+        "over it, e.g. --against HEAD~1",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         args.models, args.variants = "M1", "B0,F0"
         args.rounds, args.blocks, args.steps, args.warmup, args.loss_at = 1, 2, 3, 1, 3
+    args.against_commit = None
+    if args.against is not None:
+        if args.from_json is not None:
+            p.error(
+                "--against runs the other tree's variants; --from-json runs nothing "
+                "(a --json file of an --against run keeps its rows): give one of them"
+            )
+        if not any(v.startswith("F") for v in args.variants.split(",")):
+            p.error(
+                f"--against {args.against} compares fasttorch variants, and --variants "
+                f"{args.variants} has none: add F0 or F1 (of {', '.join(ALL_VARIANTS)})"
+            )
+        args.against_commit = resolve_rev(args.against)
     return args
+
+
+def resolve_rev(rev: str) -> str:
+    """The full hash of the commit ``rev`` names in this repository.
+
+    Exits with a message naming ``rev`` when git knows no such commit.
+    """
+    out = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode != 0 or not out.stdout.strip():
+        raise SystemExit(
+            f"--against {rev!r}: not a commit of the repository at {ROOT} "
+            f"({out.stderr.strip() or 'git rev-parse found none'}); give a revision git "
+            "knows: a commit hash, a branch, a tag, HEAD~1"
+        )
+    return out.stdout.strip()
+
+
+def against_key(variant: str, commit: str) -> str:
+    """The row name of ``variant`` run with the other tree: ``F1@487a65c``."""
+    return f"{variant}@{commit[:7]}"
+
+
+def base_variant(key: str) -> str:
+    """The variant a row runs: ``F1`` for ``F1`` and for ``F1@487a65c``."""
+    return key.split("@", 1)[0]
+
+
+def other_tree(commit: str) -> Path:
+    """``fasttorch/`` of ``commit`` in a fresh temporary directory (``git archive``).
+
+    Only the package is extracted: a worker started there (its working directory, so
+    first on ``sys.path``) imports that ``fasttorch`` and this tree's ``benchmarks``
+    (on ``PYTHONPATH``). The caller removes the directory.
+    """
+    where = Path(tempfile.mkdtemp(prefix=f"ft-bench-against-{commit[:7]}-"))
+    tar = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", commit, "fasttorch"],
+        capture_output=True,
+    )
+    if tar.returncode != 0:
+        shutil.rmtree(where, ignore_errors=True)
+        raise SystemExit(
+            f"--against: git archive of fasttorch/ at {commit[:12]} failed: "
+            f"{tar.stderr.decode(errors='replace').strip()}"
+        )
+    with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as t:
+        if hasattr(tarfile, "data_filter"):
+            t.extractall(where, filter="data")
+        else:  # Python < 3.11.4: our own repository's archive
+            t.extractall(where)
+    return where
+
+
+def with_against(variants: list[str], commit: str | None) -> list[str]:
+    """``variants`` with, right after each fasttorch one, its row run with ``commit``.
+
+    >>> with_against(["B0", "F0", "F1"], "487a65c004e3")
+    ['B0', 'F0', 'F0@487a65c', 'F1', 'F1@487a65c']
+    """
+    out: list[str] = []
+    for v in variants:
+        out.append(v)
+        if commit is not None and v.startswith("F"):
+            out.append(against_key(v, commit))
+    return out
 
 
 def _cuda_available() -> bool:
@@ -122,7 +220,9 @@ class Worker:
     error goes to a file (never a full pipe) and gives the reason when it fails.
     """
 
-    def __init__(self, cmd: list[str], env: dict[str, str], timeout: float) -> None:
+    def __init__(
+        self, cmd: list[str], env: dict[str, str], timeout: float, cwd: Path = ROOT
+    ) -> None:
         self.timeout = timeout
         self.err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by finish)
         self.t0 = time.perf_counter()
@@ -134,7 +234,7 @@ class Worker:
             text=True,
             bufsize=1,
             env=env,
-            cwd=ROOT,
+            cwd=cwd,
         )
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -238,19 +338,28 @@ def run_round(
     The processes start one after another, each compiling and warming up while the
     others wait idle (so compile times are measured alone); then they take turns, one
     block each, ``blocks`` times over; then each measures the rest (profile) alone.
+    A row of the other tree (``F1@487a65c``, ``--against``) runs in that tree's
+    directory (``args.against_tree``), so it imports that tree's ``fasttorch``.
     """
     env = _omp_env(args)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    other: Path | None = getattr(args, "against_tree", None)
     workers: dict[str, Worker] = {}
     out: dict[str, dict[str, Any]] = {}
     try:
         for v in variants:
-            cmd = worker_cmd(args, model, v, precision, device)
+            cmd = worker_cmd(args, model, base_variant(v), precision, device)
             if r == 0:
                 cmd.append("--profile")
                 if device == "cuda" and model == "M3" and v == variants[0]:
                     cmd.append("--matmul-peak")
-            w = Worker(cmd, {**env, "TORCHINDUCTOR_CACHE_DIR": str(caches[v])}, args.timeout)
+            tree = ROOT if "@" not in v else other
+            if tree is None:
+                raise ValueError(f"{v}: a row of another tree, and args.against_tree is unset")
+            venv = {**env, "TORCHINDUCTOR_CACHE_DIR": str(caches[v])}
+            if tree != ROOT:
+                venv["PYTHONPATH"] = os.pathsep.join([str(tree), env["PYTHONPATH"]])
+            w = Worker(cmd, venv, args.timeout, cwd=tree)
             workers[v] = w
             if not w.ready():
                 out[v] = w.finish()
@@ -266,7 +375,19 @@ def run_round(
     finally:
         for w in workers.values():
             w.kill()
+    for v in variants:
+        _check_tree(out[v], ROOT if "@" not in v else other, v)
     return {v: out[v] for v in variants}
+
+
+def _check_tree(res: dict[str, Any], tree: Path | None, key: str) -> None:
+    """Mark ``res`` failed if its worker imported ``fasttorch`` from another tree than
+    ``tree`` (a row measuring the wrong code must not look like a result)."""
+    got = res.get("fasttorch_file")
+    if "error" in res or got is None or tree is None:
+        return
+    if not Path(got).resolve().is_relative_to(tree.resolve()):
+        res["error"] = f"{key} imported fasttorch from {got}, not from {tree}"
 
 
 def run_model(
@@ -290,8 +411,10 @@ def run_model(
         for d in caches.values():
             d.mkdir(parents=True, exist_ok=True)
     runs: dict[int, dict[str, dict[str, Any]]] = {}
+    load: dict[int, float] = {}
     try:
         for r in range(args.rounds):
+            load[r] = os.getloadavg()[0]
             for v, res in run_round(args, model, variants, precision, device, caches, r).items():
                 res["round"], res["cold"] = r, r == 0
                 runs.setdefault(r, {})[v] = res
@@ -304,7 +427,13 @@ def run_model(
         if cache_root is None:
             for d in caches.values():
                 shutil.rmtree(d, ignore_errors=True)
-    return {"model": model, "precision": precision, "device": device, "runs": runs}
+    return {
+        "model": model,
+        "precision": precision,
+        "device": device,
+        "runs": runs,
+        "load_1min": load,
+    }
 
 
 # --------------------------------------------------------------------------- report
@@ -363,6 +492,17 @@ def analyse(block: dict[str, Any], baseline: str = "B0", tol: float = 0.05) -> d
                 (x["bf16_matmul_tflops"] for x in res_all if "bf16_matmul_tflops" in x), None
             ),
         }
+    # --against: this tree's variant over the other tree's, per round, every round
+    against: dict[str, dict[str, Any]] = {}
+    for key in times:
+        if "@" in key and base_variant(key) in times:
+            new, old = times[base_variant(key)], times[key]
+            both = [r for r in sorted(new) if r in old]
+            if both:
+                against[base_variant(key)] = {
+                    "speed": summarize({"new": new, "old": old}, "old", both)["new"],
+                    "old_s": statistics.median(old[r] for r in both),
+                }
     probes = [
         res["isa_probe_s"]
         for by_v in runs.values()
@@ -378,6 +518,7 @@ def analyse(block: dict[str, Any], baseline: str = "B0", tol: float = 0.05) -> d
         "best_stock": best_stock,
         "figures": per_variant,
         "baseline_times": times[baseline],
+        "against": against,
     }
 
 
@@ -418,6 +559,42 @@ def _table(block: dict[str, Any], a: dict[str, Any], variants: list[str], gpu: b
             f"| {_fmt(loss, '.4f')} ({_fmt(rel, '+.2%')}) |"
         )
     return lines
+
+
+def _round(item: tuple[Any, float]) -> int:
+    return int(item[0])  # rounds are str keys in a --json file
+
+
+def _against_table(block: dict[str, Any], a: dict[str, Any]) -> list[str]:
+    """This tree's fasttorch variants against the same variants of ``--against``'s tree."""
+    against: dict[str, dict[str, Any]] = a.get("against") or {}
+    if not against:
+        return []
+    commit = block.get("against_commit") or "?"
+    rev = block.get("against") or commit[:7]
+    lines = [
+        f"### {block['model']}: this tree against {rev} ({commit[:12]})",
+        "",
+        f"The same variants with the `fasttorch/` of {commit[:12]} (rows `F…@{commit[:7]}` "
+        "above), measured by this tree's harness in the same rounds, each process right "
+        "after this tree's, the blocks taking turns. New/old speed is the median over the "
+        "rounds of (old ms/step) / (new ms/step) in the same round, min-max in brackets; "
+        "above 1 this tree is faster. Every round counts (both sides ran in it, so the "
+        "drift rule, which is about B0 across rounds, discards none here); the ms/step "
+        "are medians over the same rounds.",
+        "",
+        f"| variant | this tree ms/step | {commit[:7]} ms/step | new/old speed [min-max] "
+        "| rounds |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for v, c in against.items():
+        s: Summary = c["speed"]
+        lines.append(
+            f"| {v} | {1e3 * s.seconds_per_step:.2f} | {1e3 * c['old_s']:.2f} "
+            f"| {s.ratio_to_baseline:.2f} [{s.ratio_min:.2f}-{s.ratio_max:.2f}] "
+            f"| {s.rounds} |"
+        )
+    return [*lines, ""]
 
 
 def targets(results: list[dict[str, Any]], gpu: bool) -> list[tuple[str, str, str]]:
@@ -665,6 +842,13 @@ def render(
                 "`torch.compile` runs it in line before the first kernel, fasttorch's "
                 "`compiled` in a thread beside tracing."
             )
+        load = block.get("load_1min")
+        if load:
+            out.append(
+                "Load average (1 min) as each round began: "
+                + ", ".join(f"{r}: {x:.2f}" for r, x in sorted(load.items(), key=_round))
+                + f" ({os.cpu_count()} logical CPUs)."
+            )
         if a["discarded"]:
             out.append(
                 "Discarded rounds (B0 drifted more than the limit from its median): "
@@ -678,6 +862,7 @@ def render(
         for v in block.get("skipped", []):
             out.append(f"- {v}: not run: no GPU")
         out.append("")
+        out += _against_table(block, a)
     if not gpu:
         out += [
             "## Not run here",
@@ -706,25 +891,49 @@ def main(argv: list[str] | None = None) -> int:
         wanted.insert(0, "B0")  # the baseline of every ratio and of the drift rule
     runnable = [v for v in wanted if gpu or v not in GPU_ONLY]
     skipped = [v for v in wanted if v not in runnable]
+    commit = args.against_commit
+    runnable, wanted = with_against(runnable, commit), with_against(wanted, commit)
     if args.rounds < 3 and not args.smoke:
         print("warning: fewer than 3 rounds", file=sys.stderr)
+    load_start = os.getloadavg()
     results = []
-    for prec in precisions:
-        if prec == "fp16" and not gpu:
-            print("fp16 rows: not run: no GPU", flush=True)
-            continue
-        for m in args.models.split(","):
-            print(
-                f"{m} {prec} on {device}: {', '.join(runnable)} x {args.rounds} rounds", flush=True
-            )
-            block = run_model(args, m, runnable, prec, device)
-            block["variants"] = wanted
-            block["loss_at"] = args.loss_at
-            block["skipped"] = skipped
-            block["analysis"] = analyse(block, tol=args.drift)
-            results.append(block)
+    args.against_tree = other_tree(commit) if commit is not None else None
+    try:
+        for prec in precisions:
+            if prec == "fp16" and not gpu:
+                print("fp16 rows: not run: no GPU", flush=True)
+                continue
+            for m in args.models.split(","):
+                print(
+                    f"{m} {prec} on {device}: {', '.join(runnable)} x {args.rounds} rounds",
+                    flush=True,
+                )
+                block = run_model(args, m, runnable, prec, device)
+                block["variants"] = wanted
+                block["loss_at"] = args.loss_at
+                block["skipped"] = skipped
+                block["against"], block["against_commit"] = args.against, commit
+                block["analysis"] = analyse(block, tol=args.drift)
+                results.append(block)
+    finally:
+        if args.against_tree is not None:
+            shutil.rmtree(args.against_tree, ignore_errors=True)
     wall_s = time.perf_counter() - t_start
     env = environment(args, device)
+    load_end = os.getloadavg()
+    env.append(
+        "- load average (1 / 5 / 15 min) at the start: "
+        + " / ".join(f"{x:.2f}" for x in load_start)
+        + "; at the end: "
+        + " / ".join(f"{x:.2f}" for x in load_end)
+        + f" ({os.cpu_count()} logical CPUs; on a shared machine others' work is in it)"
+    )
+    if commit is not None:
+        env.append(
+            f"- against: `{args.against}` = {commit[:12]}: each fasttorch variant also run "
+            f"with the `fasttorch/` of that commit (rows `F…@{commit[:7]}`), taken with "
+            "`git archive` into a temporary directory removed after the run"
+        )
     text = render(args, results, device, wall_s, env)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(keep_section(args.out, text))

@@ -157,7 +157,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import importlib
 
     importlib.import_module("torch._inductor.compile_fx")  # same import footprint everywhere
-    importlib.import_module("fasttorch")
+    fasttorch_file = importlib.import_module("fasttorch").__file__  # which tree (--against)
 
     sync = _sync(device)
     rss_base_kb = _proc_status_kb("VmRSS")
@@ -235,6 +235,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "peak_rss_timed_mb": ((_proc_status_kb("VmHWM") or 0) / 1024) if hwm_reset else None,
         "threads": torch.get_num_threads(),
         "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+        "fasttorch_file": fasttorch_file,
     }
     if blocks:
         median_step = statistics.median(blocks) / args.steps

@@ -578,3 +578,70 @@ def test_launch_counts_hold_f0_to_b0():
         assert f0["launches"] <= rows["B0 fused"]["launches"], (precision, rows)
         assert f0["launches"] <= rows["B0 foreach"]["launches"], (precision, rows)
     assert "does NOT hold" not in render(results, "M3")
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True
+    ).stdout
+
+
+def test_against_names_a_commit_and_a_fasttorch_variant(capsys):
+    """--against REV: resolved to the commit at parse time; a bad revision, no fasttorch
+    variant to compare or --from-json (nothing runs) stop the run before it starts."""
+    import doctest
+
+    import benchmarks.run
+    from benchmarks.run import parse
+
+    head = _git("rev-parse", "HEAD").strip()
+    args = parse(["--against", "HEAD", "--variants", "B0,F1"])
+    assert args.against == "HEAD" and args.against_commit == head
+    assert parse([]).against_commit is None
+    assert parse(["--smoke", "--against", "HEAD"]).against_commit == head
+    with pytest.raises(SystemExit, match="'no-such-rev-48': not a commit.*HEAD~1"):
+        parse(["--against", "no-such-rev-48"])
+    with pytest.raises(SystemExit):
+        parse(["--against", "HEAD", "--variants", "B0,B1"])
+    assert "--variants B0,B1 has none: add F0 or F1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(["--against", "HEAD", "--from-json", "x.json"])
+    assert "--from-json runs nothing" in capsys.readouterr().err
+    result = doctest.testmod(benchmarks.run, optionflags=doctest.ELLIPSIS)  # with_against
+    assert result.failed == 0 and result.attempted > 0
+
+
+def test_a_row_that_imported_the_wrong_tree_is_marked_failed(tmp_path):
+    from benchmarks.run import _check_tree
+
+    res = {"blocks_s": [0.1], "fasttorch_file": str(ROOT / "fasttorch" / "__init__.py")}
+    _check_tree(res, tmp_path, "F0@abc1234")
+    assert "F0@abc1234 imported fasttorch from" in res["error"]
+    ok = {"blocks_s": [0.1], "fasttorch_file": str(tmp_path / "fasttorch" / "__init__.py")}
+    _check_tree(ok, tmp_path, "F0@abc1234")
+    assert "error" not in ok
+
+
+def test_smoke_run_against_head_runs_the_other_tree_in_the_same_round(tmp_path):
+    """--smoke --against HEAD: F0 also runs from HEAD's fasttorch/ (extracted into a
+    temporary directory, removed after), in the same round, and the page has its ratio;
+    the user's tree and its git worktrees are untouched."""
+    status, worktrees = _git("status", "--porcelain"), _git("worktree", "list")
+    out, raw = tmp_path / "b.md", tmp_path / "raw.json"
+    _suite("--smoke", "--against", "HEAD", "--out", str(out), "--json", str(raw))
+    sha = _git("rev-parse", "HEAD").strip()
+    key = f"F0@{sha[:7]}"
+    (block,) = json.loads(raw.read_text())["results"]
+    (by_variant,) = block["runs"].values()
+    assert list(by_variant) == ["B0", "F0", key]
+    new, old = by_variant["F0"], by_variant[key]
+    assert "error" not in new and "error" not in old, (new.get("error"), old.get("error"))
+    assert Path(new["fasttorch_file"]) == ROOT / "fasttorch" / "__init__.py"
+    other = Path(old["fasttorch_file"]).parent.parent
+    assert other.name.startswith(f"ft-bench-against-{sha[:7]}-") and not other.exists()
+    text = out.read_text()
+    assert f"| {key} |" in text and f"against: `HEAD` = {sha[:12]}" in text
+    assert f"### M1: this tree against HEAD ({sha[:12]})" in text
+    assert "| F0 |" in text.split("this tree against HEAD")[1]
+    assert "load average (1 / 5 / 15 min) at the start" in text
+    assert _git("status", "--porcelain") == status and _git("worktree", "list") == worktrees
