@@ -55,7 +55,7 @@ def update(
     g: list[Tensor],
     m: list[Tensor],
     v: list[Tensor],
-    lr: Callable[[], Tensor],
+    lr: Tensor,
     count: Tensor,
     h: dict[str, Tensor],
     *,
@@ -65,7 +65,7 @@ def update(
 ) -> Updated:
     """One Adam(W) step over the lists ``p``, ``g``, ``m``, ``v`` by the kernel that fits.
 
-    ``lr()``: the learning rate (read once, after the count advances). ``inplace``:
+    ``lr``: the learning lr, 0-d. ``inplace``:
     the caller may overwrite the parameter, moment, gradient and count tensors (a
     donated state). Eagerly in place the count is the state's own tensor too (no
     allocation at the peak). In a graph in place only as one opaque operator (a
@@ -80,21 +80,20 @@ def update(
     if len(p) == 0:
         return Updated(p, None, None, count)
     with torch.no_grad():
-        rate = lr()
         if op:
             hyper = [h[k] for k in ("beta1", "beta2", "eps", "weight_decay")]
-            torch.ops.fasttorch.adam_(p, g, m, v, rate, count, *hyper, decoupled)
+            torch.ops.fasttorch.adam_(p, g, m, v, lr, count, *hyper, decoupled)
             return Updated(p, None, None, count)
         if in_cpu_graph(p) and not inplace:
-            p, m, v = graph_update(p, g, m, v, rate, count, h, decoupled=decoupled)
+            p, m, v = graph_update(p, g, m, v, lr, count, h, decoupled=decoupled)
             return Updated(p, m, v, count)
         kernel = fused_kernel((p, g, m, v), decoupled=decoupled) if inplace else None
         if kernel is not None:
-            fused(kernel, (p, g, m, v), rate, count, h)
+            fused(kernel, (p, g, m, v), lr, count, h)
             return Updated(p, None, None, count)
         if not inplace:
             p, g, m, v = ([t.clone() for t in ts] for ts in (p, g, m, v))
-        foreach(p, g, m, v, rate, count, h, decoupled=decoupled, inplace=inplace)
+        foreach(p, g, m, v, lr, count, h, decoupled=decoupled, inplace=inplace)
     return Updated(p, m, v, count)
 
 
@@ -106,7 +105,7 @@ def fused_kernel(lists: Sequence[list[Tensor]], *, decoupled: bool) -> Callable[
 
 def fused_update(
     lists: Sequence[list[Tensor]],
-    lr: Callable[[], Tensor],
+    lr: Tensor,
     count: Tensor,
     h: dict[str, Tensor],
     *,
@@ -121,9 +120,8 @@ def fused_update(
     if kernel is None:
         return None
     with torch.no_grad():
-        rate = lr()
         count = count.add_(found_inf.logical_not())
-        fused(kernel, lists, rate, count, h, grad_scale, _base.float_flag(found_inf))
+        fused(kernel, lists, lr, count, h, grad_scale, _base.float_flag(found_inf))
     return count
 
 

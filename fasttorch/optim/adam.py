@@ -167,7 +167,7 @@ class Adam:
             g,
             m,
             v,
-            lambda: self.learning_rate(opt_state, step),
+            self.learning_rate(opt_state, step),
             opt_state.count,
             opt_state.hyper,
             decoupled=self.decoupled_weight_decay,
@@ -202,7 +202,7 @@ class Adam:
         lists = self._lists(names, params, grads, opt_state)
         count = _adam_kernels.fused_update(
             lists,
-            lambda: self.learning_rate(opt_state, step),
+            self.learning_rate(opt_state, step),
             opt_state.count,
             opt_state.hyper,
             decoupled=self.decoupled_weight_decay,
