@@ -27,8 +27,6 @@ from __future__ import annotations
 
 from fasttorch._core.late import LateRead
 from fasttorch._core.phases import (
-    BUFFERS_KEY,
-    SKIP_BUFFERS,
     Batch,
     GradOut,
     GradPhase,
@@ -62,8 +60,6 @@ from fasttorch._core.state import scope as scoped_call
 from fasttorch.optim._base import float_flag
 
 __all__ = [
-    "BUFFERS_KEY",
-    "SKIP_BUFFERS",
     "Batch",
     "GradOut",
     "GradPhase",

@@ -19,12 +19,32 @@ from typing_extensions import Self, dataclass_transform
 __all__ = ["Record", "data_fields", "field"]
 
 _STATIC = "fasttorch_static"
+_INLINE = "fasttorch_inline"
 
 
-def field(*, static: bool = False, **kwargs: Any) -> Any:
-    """A record field; ``static=True`` keeps it out of the pytree leaves."""
+def field(*, static: bool = False, inline: bool = False, **kwargs: Any) -> Any:
+    """A record field; ``static=True`` keeps it out of the pytree leaves.
+
+    ``inline=True``, for a record's only data field, a dict: its entries are the
+    record's own pytree children, under their own keys, so the record flattens (and a
+    checkpoint names its entries) as the dict would, without the field's name. For a
+    record that replaces a plain dict of tensors, whose checkpoints must still load.
+
+    Example:
+        >>> import torch
+        >>> from fasttorch import struct
+        >>> class Kept(struct.Record):
+        ...     tensors: dict = struct.field(inline=True)
+        >>> paths, _ = torch.utils._pytree.tree_flatten_with_path(Kept({"a": torch.zeros(1)}))
+        >>> [torch.utils._pytree.keystr(p) for p, _ in paths]
+        ["['a']"]
+    """
     metadata = dict(kwargs.pop("metadata", None) or {})
     metadata[_STATIC] = static
+    if inline:
+        if static:
+            raise ValueError("struct.field: a static field cannot be inline (it has no leaves)")
+        metadata[_INLINE] = True
     return dataclasses.field(metadata=metadata, **kwargs)
 
 
@@ -60,15 +80,31 @@ class Record:
         # Read by code that walks records inside a compiled step, where dataclasses.fields()
         # and a field's metadata (a mappingproxy) do not trace on every torch release.
         cls.__fasttorch_data_fields__ = data  # type: ignore[attr-defined]
+        inline = [f.name for f in fields if f.metadata.get(_INLINE, False)]
+        if inline and len(data) != 1:
+            raise TypeError(
+                f"{cls.__name__}: the inline field {inline[0]!r} must be the record's only "
+                f"data field (it has {list(data)}): its entries' keys are the record's own"
+            )
 
         def flatten(obj: Any) -> tuple[list[Any], Any]:
-            return [getattr(obj, n) for n in data], tuple(getattr(obj, n) for n in static)
+            statics = tuple(getattr(obj, n) for n in static)
+            if inline:
+                entries = getattr(obj, data[0])
+                return list(entries.values()), (tuple(entries), statics)
+            return [getattr(obj, n) for n in data], statics
 
         def flatten_with_keys(obj: Any) -> tuple[list[tuple[Any, Any]], Any]:
             children, ctx = flatten(obj)
+            if inline:
+                keys: list[Any] = [pytree.MappingKey(k) for k in ctx[0]]
+                return list(zip(keys, children)), ctx
             return [(pytree.GetAttrKey(n), c) for n, c in zip(data, children)], ctx
 
         def unflatten(children: Any, ctx: Any) -> Any:
+            if inline:
+                entries = dict(zip(ctx[0], children))
+                return cls(**{data[0]: entries}, **dict(zip(static, ctx[1])))
             return cls(**dict(zip(data, children)), **dict(zip(static, ctx)))
 
         pytree.register_pytree_node(

@@ -37,6 +37,10 @@ class attribute           default      meaning
                                        ``torch.func.vmap``)
 ``kept_across_calls``     ``False``    a donating step writes into the same tensors on
                                        every call (``fasttorch.state.kept_leaves``)
+``restores_buffers``     ``False``    it keeps the module's buffers as the window began:
+                                       where an update is skipped the default update
+                                       phase calls its ``restore(buffers, skip)``
+                                       (``skip_nonfinite``'s ``SkipBuffers``)
 ========================  ===========  ==================================================
 
 Everything else a checkpoint keeps follows from the record's shape: every tensor leaf,

@@ -18,6 +18,8 @@ from torch import Tensor, nn
 
 from fasttorch import optim, schedules
 from fasttorch.optim import OptState, _base
+from fasttorch.optim.adam import adam_math
+from fasttorch.optim.sgd import sgd_math
 
 STEPS = 20
 
@@ -678,3 +680,88 @@ def test_lr_zero_and_a_warmup_from_zero_give_no_nan(name: str, mode: str) -> Non
         default.step()
     for n, p in ref.items():
         _assert_equal(p.detach(), start[n], f"torch.optim.{cls} at lr 0: {n}")
+
+
+ALGORITHM_PATHS = [(n, m) for n, m in PATHS if n.startswith("adam") and m != "fused"]
+
+
+@pytest.mark.parametrize(("name", "mode"), ALGORITHM_PATHS)
+@pytest.mark.parametrize("lr", [0.05, 0.0])
+def test_every_adam_kernel_computes_the_readable_algorithm_s_bits(
+    name: str, mode: str, lr: float
+) -> None:
+    """adam.py's adam_math is the algorithm, one parameter at a time; every kernel
+    _adam_kernels.update chooses for it (foreach on copies or in place, the CPU graph,
+    the opaque operator) gives its bits, step for step (EXACT: the same operations on
+    the same values). torch's fused kernel, a donated eager GPU step's, is torch's
+    fused form, with its own roundings: its twin is torch's fused=True (above)."""
+    factory, _, kw = TWINS[name]
+    opt = factory(lr, **kw, **({"opaque": True} if mode == "opaque" else {}))
+    gen = torch.Generator().manual_seed(4)
+    params = {n: torch.randn(s, generator=gen) for n, s in TWIN_SHAPES.items()}
+    state = opt.init(params)
+    p_ref = {n: t.clone() for n, t in params.items()}
+    m_ref = {n: torch.zeros_like(t) for n, t in params.items()}
+    v_ref = {n: torch.zeros_like(t) for n, t in params.items()}
+    update = _native_update(opt, mode)
+    fused = frozenset({"cuda", "cpu"}) if mode == "fused" else _base.FUSED_DEVICES
+    for k, grads in enumerate(_twin_grads(4)):
+        count = torch.tensor(k + 1)
+        for n in params:
+            p_ref[n], m_ref[n], v_ref[n] = adam_math(
+                p_ref[n],
+                grads[n],
+                m_ref[n],
+                v_ref[n],
+                state.hyper["lr"],
+                count,
+                state.hyper,
+                decoupled=opt.decoupled_weight_decay,
+            )
+        with mock.patch.object(_base, "FUSED_DEVICES", fused):
+            params, state = update(
+                params, {n: g.clone() for n, g in grads.items()}, state, torch.tensor(k)
+            )
+        assert int(state.count) == k + 1
+        for n in params:
+            _assert_equal(params[n], p_ref[n], f"{name} {mode} step {k} {n}")
+            _assert_equal(state.slots["exp_avg"][n], m_ref[n], f"{name} {mode} m {k} {n}")
+            _assert_equal(state.slots["exp_avg_sq"][n], v_ref[n], f"{name} {mode} v {k} {n}")
+
+
+SGD_ALGORITHM_PATHS = [(n, m) for n, m in PATHS if n.startswith("sgd") and m != "fused"]
+
+
+@pytest.mark.parametrize(("name", "mode"), SGD_ALGORITHM_PATHS)
+def test_every_sgd_kernel_computes_the_readable_algorithm_s_bits(name: str, mode: str) -> None:
+    """sgd.py's sgd_math is the algorithm, one parameter at a time; the foreach kernel
+    _sgd_kernels.update chooses for it, on copies, in place or in a CPU graph, gives its
+    bits step for step (EXACT: the same operations on the same values)."""
+    factory, _, kw = TWINS[name]
+    opt = factory(0.05, **kw)
+    gen = torch.Generator().manual_seed(4)
+    params = {n: torch.randn(s, generator=gen) for n, s in TWIN_SHAPES.items()}
+    state = opt.init(params)
+    momentum = "momentum_buffer" in state.slots
+    p_ref = {n: t.clone() for n, t in params.items()}
+    b_ref = {n: torch.zeros_like(t) if momentum else None for n, t in params.items()}
+    update = _native_update(opt, mode)
+    for k, grads in enumerate(_twin_grads(4)):
+        for n in params:
+            p_ref[n], b_ref[n] = sgd_math(
+                p_ref[n],
+                grads[n],
+                b_ref[n],
+                state.hyper["lr"],
+                state.count,
+                state.hyper,
+                nesterov=opt.nesterov,
+            )
+        params, state = update(
+            params, {n: g.clone() for n, g in grads.items()}, state, torch.tensor(k)
+        )
+        for n in params:
+            _assert_equal(params[n], p_ref[n], f"{name} {mode} step {k} {n}")
+            if momentum:
+                buf = state.slots["momentum_buffer"][n]
+                _assert_equal(buf, b_ref[n], f"{name} {mode} buffer {k} {n}")

@@ -8,7 +8,7 @@ import torch.utils._pytree as pytree
 
 import fasttorch
 from fasttorch import checkpoint
-from fasttorch.transforms.skip_nonfinite import NonFiniteError
+from fasttorch.transforms.skip_nonfinite import NonFiniteError, SkipBuffers
 
 NAN = float("nan")
 
@@ -192,3 +192,49 @@ def test_without_donation_a_skip_keeps_the_input_and_the_output_buffers():
     new, _ = step(state, _nan_rows())
     for k, b in before.items():
         assert torch.equal(state.buffers[k], b) and torch.equal(new.buffers[k], b), k
+
+
+def test_the_skip_buffers_are_a_record_saved_under_the_plain_dict_s_keys(tmp_path):
+    step = _bn_step("skip_nonfinite", "eager")
+    state, _ = step(_bn_state(), good())
+    kept = state.substates["skip_buffers"]
+    assert isinstance(kept, SkipBuffers) and type(kept).restores_buffers
+    names = sorted(n for n, _ in _bn_state().module.named_buffers())
+    assert sorted(kept.buffers) == names
+    # The record flattens as the dict it replaces: its entries under their own keys.
+    paths = [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(kept)[0]]
+    assert paths == [pytree.keystr((pytree.MappingKey(n),)) for n in kept.buffers]
+    keys = set(checkpoint.verify(checkpoint.save(tmp_path / "new", state))["entries"])
+    assert {k for k in keys if k.startswith("substates/skip_buffers/")} == {
+        f"substates/skip_buffers/{n}" for n in names
+    }
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_checkpoint_of_the_old_plain_dict_skip_buffers_loads(tmp_path, mode):
+    # Before SkipBuffers the sub-state was a plain dict of tensors: a checkpoint written
+    # then (substates/skip_buffers/<name>) loads into today's record, and training from
+    # it gives the bits of training on without the save (EXACT: the same ops).
+    step = _bn_step("skip_nonfinite", mode)
+    state = _bn_state()
+    for i in range(2):
+        state, _ = step(state, good(i))
+    kept = state.substates["skip_buffers"]
+    old_form = state.with_substate("skip_buffers", {k: v.clone() for k, v in kept.buffers.items()})
+    path = checkpoint.save(tmp_path, old_form)
+    keys = set(checkpoint.verify(path)["entries"])
+    assert "substates/skip_buffers/1.running_mean" in keys
+    assert not any(k.startswith("substates/skip_buffers/buffers/") for k in keys)
+    loaded, _ = checkpoint.load(path, _bn_step("skip_nonfinite", mode).init(_bn_state()))
+    got = loaded.substates["skip_buffers"]
+    assert isinstance(got, SkipBuffers)
+    for k, v in kept.buffers.items():
+        assert torch.equal(got.buffers[k], v), k
+    for batch in (_nan_rows(), good(3)):  # a skip restores the loaded buffers, then on
+        state, m1 = step(state, batch)
+        loaded, m2 = step(loaded, batch)
+        assert bool(m1["skipped"]) == bool(m2["skipped"])
+    for k in state.buffers:
+        assert torch.equal(state.buffers[k], loaded.buffers[k]), k
+    for k in state.params:
+        assert torch.equal(state.params[k], loaded.params[k]), k

@@ -332,7 +332,7 @@ def test_transform_configs_and_states_have_working_reprs():
     state = step.init(_state())
     assert repr(state).startswith("TrainState(params=")
     records = [s for s in state.substates.values() if isinstance(s, fasttorch.struct.Record)]
-    assert len(records) == 2  # the loss scale and the EMA
+    assert len(records) == 3  # the loss scale, the EMA and the skip buffers (SkipBuffers)
     for sub in records:
         assert repr(sub).startswith(type(sub).__name__ + "(")
 

@@ -9,8 +9,8 @@ import torch
 from reference import LayerNormNet, batches, mse
 
 import fasttorch
-from fasttorch._core.step import accumulate
 from fasttorch.phases import GradOut
+from fasttorch.transforms.grad_accumulate import AccumState, accumulate
 from fasttorch.window import Window
 
 
@@ -28,6 +28,25 @@ def test_grad_accumulate_declares_its_window_and_nothing_else():
     # The same loop runs every window: no runner or hook of the transform's own.
     assert within.runner is step.runner and across.runner is step.runner
     assert "finish" not in {f.name for f in attrs.fields(fasttorch.Step)}
+
+
+def test_grad_accumulate_declares_the_sums_its_window_keeps():
+    # The window's loop is generic: the record and its kernels come from the transform.
+    step = fasttorch.step(mse)
+    assert step.window.sums is None
+    for s in (
+        fasttorch.grad_accumulate(step, 4),
+        fasttorch.grad_accumulate(step, 3, across_calls=True),
+    ):
+        assert s.window.sums is AccumState and AccumState.key == "grad_accumulate"
+
+
+@pytest.mark.parametrize("across", [False, True])
+def test_a_window_of_several_microbatches_without_sums_is_refused(across):
+    # At wrap time, naming the transform that set the window.
+    step = fasttorch.step(mse)
+    with pytest.raises(TypeError, match=r"^bare: the step's window has n=2 .*declares no sums"):
+        step.with_phases("bare", window=Window(n=2, across_calls=across))
 
 
 def test_sync_on_last_installs_a_reduction_in_either_order():

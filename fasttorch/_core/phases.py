@@ -35,7 +35,7 @@ import torch.utils._pytree as pytree
 
 from fasttorch import _checks, _compat, struct
 from fasttorch._core import opaque as _opaque
-from fasttorch._core.buffers import BUFFERS_KEY, SKIP_BUFFERS, restore_buffers
+from fasttorch._core.buffers import restore_buffers
 from fasttorch._core.reached import backward_leaves, check_reached, unreached
 from fasttorch._core.state import TrainState, begin, call_with, current, is_sharded, reshard
 from fasttorch.optim import _inner
@@ -50,8 +50,6 @@ from fasttorch.optim._base import (
 from fasttorch.substates import any_declares
 
 __all__ = [
-    "BUFFERS_KEY",
-    "SKIP_BUFFERS",
     "GradOut",
     "IntoGrad",
     "Loss",

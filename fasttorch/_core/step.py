@@ -3,16 +3,17 @@
 ``fasttorch.steps`` and ``fasttorch.window`` are the public faces; the definitions live
 here, in reading order:
 
-* the window's sums: :class:`AccumState` holds a window's gradient sums, weight and
-  loss sum (the scratch window of accumulation within a call, reused from call to call,
-  and across calls the sub-state ``state.substates[KEY]``); :func:`accumulate` adds
-  one microbatch to it; :func:`split` cuts a batch into the window's microbatches;
+* the window's sums: :class:`WindowSums`, what the loop needs of the record that holds
+  a window's gradient sums, weight and loss sum, and of the kernels that add one
+  microbatch to it and take its mean; the transform that accumulates declares it
+  (``grad_accumulate``'s ``AccumState``, in :attr:`Window.sums`), so the loop stays
+  generic; :func:`split` cuts a batch into the window's microbatches;
 * the accumulation window: every call runs a window of ``n`` microbatches (one without
   ``grad_accumulate``), their gradients summed, each weighted by its sample (or token)
   count, and applied once. A step declares its window (:class:`Window`: ``n`` and
   ``across_calls``, and a :class:`Reduction` across ranks, ``sync_on_last``'s).
   :func:`run`, the step's default runner, is the one loop, over one of three engines:
-  kernels (:func:`_in_kernels`: a microbatch kernel adds into an :class:`AccumState`
+  kernels (:func:`_in_kernels`: a microbatch kernel adds into the window's sums
   and a close kernel divides and updates; under ``compiled`` each is one graph,
   compiled once, so the loop is never unrolled; with a reduction the last microbatch
   is the reduction's), the module's ``.grad`` (:func:`_in_module`: eagerly over a
@@ -41,7 +42,7 @@ import attrs
 import torch
 import torch.utils._pytree as pytree
 
-from fasttorch import _checks, struct
+from fasttorch import _checks
 from fasttorch._checks import warn_once
 from fasttorch._core import opaque as _opaque
 from fasttorch._core.phases import (
@@ -92,8 +93,6 @@ from fasttorch.optim._base import check_matches
 from fasttorch.substates import SubState, any_declares, merge
 
 __all__ = [
-    "KEY",
-    "AccumState",
     "CallHook",
     "GradOut",
     "InModule",
@@ -103,126 +102,92 @@ __all__ = [
     "Step",
     "Sums",
     "Window",
-    "accumulate",
+    "WindowSums",
     "apply_update",
     "check_wrap",
     "eager",
-    "empty_window",
     "global_norm",
     "kernel",
     "meet_unused",
     "memo",
     "run",
     "scale_grads",
-    "scratch_window",
     "split",
     "step",
     "warn_once",
 ]
 
 
-KEY = "grad_accumulate"
-"""The sub-state key of an across-calls window (``state.substates[KEY]``)."""
-
-
 # --------------------------------------------------------------------------- the window's sums
 
 
-class AccumState(struct.Record):
-    """Sub-state of ``grad_accumulate(..., across_calls=True)``: the open window.
+class WindowSums(Protocol):
+    """What the window's loop needs of a window's sums, declared by the transform that
+    accumulates (``grad_accumulate``'s ``AccumState``, in :attr:`Window.sums`).
 
-    Per rank: each rank of a data-parallel run accumulates its own microbatches, so a
-    checkpoint stores one window per rank (``per_rank``), and one saved inside a window
-    is named after ``micro`` (``window_position``).
+    A record: the gradient sums, total weight and weighted loss sum of the
+    microbatches so far, the position in an across-calls window (``micro``), and the
+    parameters no microbatch reached (``unused``). The class says where an
+    across-calls window lives (``state.substates[key]``) and builds empty or reused
+    windows; an instance adds a microbatch and takes the window's mean.
     """
 
-    grads: Tensors
-    weight: torch.Tensor
-    value: torch.Tensor
-    micro: int = struct.field(static=True, default=0)
-    # Parameters no microbatch so far reached (None: no microbatch yet); a parameter
-    # used by any microbatch of the window is updated, as torch.optim sees its .grad.
-    unused: frozenset[str] | None = struct.field(static=True, default=None)
+    key: ClassVar[str]
 
-    # Donated windows are zeroed and refilled in place (commit): the same tensors on
-    # every call, as the scratch window of accumulation within a call.
-    kept_across_calls: ClassVar[bool] = True
-    # Read by fasttorch.checkpoint (fasttorch.substates): saved per rank, with the
-    # position in the window in the checkpoint's name and manifest.
-    per_rank: ClassVar[bool] = True
-    window_position: ClassVar[str] = "micro"
+    @property
+    def grads(self) -> Tensors:
+        """The gradient sums, by parameter name."""
+        ...
 
-    def zeroed(self) -> AccumState:
+    @property
+    def weight(self) -> torch.Tensor:
+        """The total weight (sample or token count) of the microbatches so far."""
+        ...
+
+    @property
+    def value(self) -> torch.Tensor:
+        """The weighted sum of their losses."""
+        ...
+
+    @property
+    def micro(self) -> int:
+        """The microbatches so far of an across-calls window."""
+        ...
+
+    @property
+    def unused(self) -> frozenset[str] | None:
+        """The parameters no microbatch so far reached (``None``: no microbatch yet)."""
+        ...
+
+    @classmethod
+    def empty(cls, params: Mapping[str, torch.Tensor], device: torch.device) -> WindowSums:
+        """An empty window for gradients shaped as ``params``."""
+        ...
+
+    @classmethod
+    def scratch(
+        cls, memo: dict[str, Any], params: Mapping[str, torch.Tensor], device: torch.device
+    ) -> WindowSums:
+        """A zeroed window for accumulation within one call, kept in ``memo``."""
+        ...
+
+    def zeroed(self) -> WindowSums:
         """A fresh, empty window shaped as this one."""
-        return empty_window(self.grads, self.weight.device)
+        ...
 
+    def add(self, g: GradOut, n: int, in_place: bool) -> WindowSums:
+        """This window with microbatch ``g`` (one of ``n``) added, in place if asked."""
+        ...
 
-def empty_window(params: Mapping[str, torch.Tensor], device: torch.device) -> AccumState:
-    """An empty window for gradients shaped as ``params``."""
-    first = next(iter(params.values()), None)
-    # new_zeros: under torch.func.vmap (fasttorch.vmapped) a zero per member, which the
-    # in-place sums of the window need; otherwise the same 0-d float32 zero.
-    zero = (
-        torch.zeros((), dtype=torch.float32, device=device)
-        if first is None
-        else first.new_zeros((), dtype=torch.float32)
-    )
-    return AccumState(
-        grads={k: torch.zeros_like(p) for k, p in params.items()},
-        weight=zero,
-        value=zero.clone(),
-    )
+    def mean(
+        self, g: GradOut, divide: Callable[[list[torch.Tensor], torch.Tensor], list[torch.Tensor]]
+    ) -> GradOut:
+        """The full window's mean gradient, its sums divided through ``divide``."""
+        ...
 
-
-def accumulate(acc: AccumState, g: GradOut, n: int, in_place: bool) -> AccumState:
-    """The window ``acc`` with microbatch ``g`` added (its gradient sums in place if asked).
-
-    ``g`` holds the gradients of (mean * mult / n); times (weight * n) they are those of
-    (sum * mult), and the window's gradient is their total over its total weight. With
-    equal microbatches whose size and count are powers of two, every multiply and divide
-    is exact and the result is bit-identical to the loop that backpropagates loss / n.
-    """
-    w = g.weight
-    fresh = list(g.grads.values())
-    sums = list(acc.grads.values())
-    factors = [w * n] * len(fresh)  # sums += fresh * (w * n): one kernel per tensor
-    if in_place:  # the window is a temporary, or donated: no allocation per microbatch
-        torch._foreach_addcmul_(sums, fresh, factors)
-        acc.weight.add_(w)
-        acc.value.add_(g.value * w)
-        return acc
-    sums = list(torch._foreach_addcmul(sums, fresh, factors))
-    return AccumState(
-        grads=dict(zip(acc.grads, sums)), weight=acc.weight + w, value=acc.value + g.value * w
-    )
-
-
-def scratch_window(
-    memo: dict[str, Any], params: Mapping[str, torch.Tensor], device: torch.device
-) -> AccumState:
-    """A zeroed window for accumulation within one call, reused from call to call.
-
-    A scratch buffer, not state: zeroing it is a memset, where fresh multi-MB
-    tensors on every call cost page faults.
-    """
-    w: AccumState | None = memo.get("scratch")
-    if (
-        w is None
-        or any(
-            k not in w.grads
-            or w.grads[k].shape != p.shape
-            or w.grads[k].dtype != p.dtype
-            or w.grads[k].device != p.device
-            for k, p in params.items()
-        )
-        or len(w.grads) != len(params)
-    ):
-        w = memo["scratch"] = empty_window(params, device)
-        return w
-    torch._foreach_zero_(list(w.grads.values()))
-    w.weight.zero_()
-    w.value.zero_()
-    return w
+    def replace(self, **changes: Any) -> Any:
+        """A copy with ``changes`` applied."""
+        ...
 
 
 def meet_unused(window: frozenset[str] | None, micro: frozenset[str]) -> frozenset[str]:
@@ -278,7 +243,7 @@ class Reduction(Protocol):
     """How a window's gradients meet the other ranks' (``sync_on_last`` installs one)."""
 
     def last(
-        self, step: Step, state: TrainState, acc: AccumState | None, batch: Batch, n: int
+        self, step: Step, state: TrainState, acc: WindowSums | None, batch: Batch, n: int
     ) -> tuple[GradOut, GradOut]:
         """Run the window's last microbatch, reducing the window while its backward runs.
 
@@ -298,13 +263,30 @@ class Window:
     """What a step declares about its window; :func:`run` runs it.
 
     ``n``: microbatches per update. ``across_calls``: each call brings one microbatch,
-    and the sums live in ``state.substates[KEY]`` between calls. ``reduce``: how the
-    window's gradients meet the other ranks' (``None``: one process).
+    and the sums live in ``state.substates[sums.key]`` between calls. ``reduce``: how
+    the window's gradients meet the other ranks' (``None``: one process). ``sums``: the
+    record of a window's sums and its kernels (:class:`WindowSums`), declared by the
+    transform that sets ``n`` above one (``grad_accumulate``).
     """
 
     n: int = 1
     across_calls: bool = False
     reduce: Reduction | None = None
+    # Not compared: two windows of the same n, form and reduction are the same window,
+    # whatever record their sums are kept in.
+    sums: type[WindowSums] | None = attrs.field(default=None, eq=False)
+
+    def sums_of(self, owner: str) -> type[WindowSums]:
+        """The declared sums, for a window of more than one microbatch (``owner``: who
+        asks, for the error: the transform at wrap time, the step when it runs)."""
+        if self.sums is None:
+            raise TypeError(
+                f"{owner}: the step's window has n={self.n} microbatches"
+                f"{' across calls' if self.across_calls else ''} but declares no sums "
+                "(Window.sums) to accumulate them in; a transform that sets the window's "
+                "n declares them too, as grad_accumulate declares its AccumState"
+            )
+        return self.sums
 
 
 # --------------------------------------------------------------------------- kernels
@@ -422,7 +404,8 @@ def _in_kernels(step: Step, state: TrainState, micro: list[Batch]) -> Result:
     acc = None
     aux_sum: Any = None
     if n > 1:
-        acc = scratch_window(memo(step, KEY), state.params, state.device)
+        sums = step.window.sums_of(f"step {step.name!r}")
+        acc = sums.scratch(memo(step, sums.key), state.params, state.device)
         unused: frozenset[str] | None = None
         for mb in micro[:-1]:
             acc, g = _micro_kernel(step)(state, acc, mb, n, True)
@@ -448,8 +431,9 @@ def _across_calls(step: Step, state: TrainState, batch: Batch, n: int) -> Result
             "checkpointed). Give each call the whole window's batch instead: "
             "grad_accumulate(step, n) splits it and reduces once, on the last microbatch"
         )
-    window: AccumState = state.substates[KEY]
-    inner = state.without_substate(KEY)
+    key = step.window.sums_of(f"step {step.name!r}").key
+    window: WindowSums = state.substates[key]
+    inner = state.without_substate(key)
     # The kernels see the window at micro=0: a Python int that changes from call to call
     # would be a guard (torch 2.10's dynamo guards on it though no kernel reads it), so a
     # recompile per position. The position is set on the result here.
@@ -457,18 +441,18 @@ def _across_calls(step: Step, state: TrainState, batch: Batch, n: int) -> Result
     if window.micro + 1 < n:
         acc, g = _micro_kernel(step)(inner, plain.replace(unused=None), batch, n, step.donate)
         acc = acc.replace(micro=window.micro + 1, unused=meet_unused(window.unused, g.unused))
-        new = inner.with_substate(KEY, acc)
+        new = inner.with_substate(key, acc)
         metrics: Metrics = {"loss": g.value}
         if g.aux is not None:
             metrics["aux"] = g.aux
         return new, metrics
     new, metrics, fresh, _ = _last(step, inner, plain, batch, n, True)
-    return new.with_substate(KEY, fresh), metrics
+    return new.with_substate(key, fresh), metrics
 
 
 def _last(
-    step: Step, state: TrainState, acc: AccumState | None, batch: Batch, n: int, reset: bool
-) -> tuple[TrainState, Metrics, AccumState | None, torch.Tensor]:
+    step: Step, state: TrainState, acc: WindowSums | None, batch: Batch, n: int, reset: bool
+) -> tuple[TrainState, Metrics, WindowSums | None, torch.Tensor]:
     """The window's last microbatch and its update.
 
     With ``reset`` the window is the state's and comes back zeroed (``fresh``). Also
@@ -492,19 +476,19 @@ def _micro_kernel(step: Step) -> Any:
 
 
 def _micro(
-    step: Step, state: TrainState, acc: AccumState, batch: Batch, n: int, donate_acc: bool
-) -> tuple[AccumState, GradOut]:
+    step: Step, state: TrainState, acc: WindowSums, batch: Batch, n: int, donate_acc: bool
+) -> tuple[WindowSums, GradOut]:
     g = step.grad(step.loss, state, batch, 1.0 / n)
     if not torch.compiler.is_compiling() and current().state_window:
         begin()  # the donated state's own window is added into in place next
     # The gradients now live in the window; returning them too would make a
     # compiled graph keep every one of them alive as an output.
-    return accumulate(acc, g, n, donate_acc), g.replace(grads={})
+    return acc.add(g, n, donate_acc), g.replace(grads={})
 
 
 def _close_window(
-    step: Step, state: TrainState, acc: AccumState, batch: Batch, n: int, reset: bool
-) -> tuple[TrainState, Metrics, AccumState | None, torch.Tensor]:
+    step: Step, state: TrainState, acc: WindowSums, batch: Batch, n: int, reset: bool
+) -> tuple[TrainState, Metrics, WindowSums | None, torch.Tensor]:
     """The window's last microbatch, then its update, on one process.
 
     Two kernels, not one: the microbatch kernel is the one every other microbatch
@@ -525,36 +509,31 @@ def _close_window(
 
 
 def _close(
-    step: Step, state: TrainState, acc: AccumState, g: GradOut, reset: bool
-) -> tuple[TrainState, Metrics, AccumState | None]:
+    step: Step, state: TrainState, acc: WindowSums, g: GradOut, reset: bool
+) -> tuple[TrainState, Metrics, WindowSums | None]:
     """Apply a full window ``acc`` (``g``: its last microbatch, without gradients)."""
     # Within one call the window is a temporary; across calls it is the state's, and
     # ours to overwrite only when donated (it is zeroed for the next window below).
     owned = not reset or step.donate
-    total = acc.weight.clone()  # the window is zeroed below when it is the state's
-    ts = list(acc.grads.values())
-    if owned and ts and opaque_update(state, step.donate):
-        _opaque.foreach_div_(ts, total)  # as below, as one operator (phases.opaque_update)
-    elif owned and not torch.compiler.is_compiling():
-        # In place saves an allocation in eager mode. In a graph it would make the
-        # graph write the quotients back into its input, the window: a copy of every
-        # gradient that the next window's zeroing throws away.
-        torch._foreach_div_(ts, total)
-    else:
-        ts = list(torch._foreach_div(ts, total))
-    mean = GradOut(
-        grads=dict(zip(acc.grads, ts)),
-        value=acc.value / total,
-        weight=total,
-        aux=g.aux,
-        scale=g.scale,
-        counted=g.counted,
-        unused=acc.unused or frozenset(),
-    )
+    opaque = owned and opaque_update(state, step.donate)
+
+    def divide(ts: list[torch.Tensor], total: torch.Tensor) -> list[torch.Tensor]:
+        if opaque and len(ts) > 0:
+            _opaque.foreach_div_(ts, total)  # as below, as one operator (phases.opaque_update)
+        elif owned and not torch.compiler.is_compiling():
+            # In place saves an allocation in eager mode. In a graph it would make the
+            # graph write the quotients back into its input, the window: a copy of every
+            # gradient that the next window's zeroing throws away.
+            torch._foreach_div_(ts, total)
+        else:
+            ts = list(torch._foreach_div(ts, total))
+        return ts
+
+    mean = acc.mean(g, divide)
     new, metrics = apply_update(step, state, skip_empty_window(mean))
     fresh = None
     if reset:
-        fresh = commit(step.donate, acc, empty_window(acc.grads, total.device))
+        fresh = commit(step.donate, acc, acc.zeroed())
     return new, metrics, fresh
 
 
@@ -768,6 +747,8 @@ class Step:
                 f"a phase or hook of a Step; valid names are {', '.join(valid)} (and "
                 "substate= for the sub-state the transform keeps)"
             )
+        if "window" in changes and changes["window"].n > 1:
+            changes["window"].sums_of(transform)  # its sums declared: at wrap time
         if substate:
             changes["inits"] = merge(changes.get("inits", self.inits), substate, transform)
         if "update" in changes and "in_place_update" not in changes:

@@ -8,13 +8,12 @@ from typing import Any
 import attrs
 
 from fasttorch import _checks
-from fasttorch._core.step import AccumState
 from fasttorch.distributed.fsdp import ShardedWindow
 from fasttorch.distributed.reducer import SyncConfig, WindowReduction
 from fasttorch.phases import Batch, GradOut, Loss, Tensors
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, check_wrap
-from fasttorch.window import InModule
+from fasttorch.window import InModule, WindowSums
 from fasttorch.window import Step as WindowStep
 
 __all__ = ["sync_on_last"]
@@ -30,7 +29,7 @@ class _Sync(SyncConfig):
     """
 
     def last(
-        self, step: WindowStep, state: TrainState, acc: AccumState | None, batch: Batch, n: int
+        self, step: WindowStep, state: TrainState, acc: WindowSums | None, batch: Batch, n: int
     ) -> tuple[GradOut, GradOut]:
         """Run the last microbatch eagerly with the reducer's hooks; reduce the window.
 

@@ -1,17 +1,20 @@
 """Adam(W)'s kernels: torch's fused kernel, the ``_foreach_*`` forms and one operator.
 
-:class:`~fasttorch.optim.adam.Adam` is the algorithm and chooses among these: torch's
-fused kernel for a donated eager GPU step (:func:`fused`), the ``_foreach_*`` calls of
-``torch.optim.Adam(foreach=True, capturable=True)`` eagerly (:func:`foreach`), their
-out-of-place form in a CPU graph (:func:`graph_update`), and ``fasttorch::adam_``, the
-in-place form as one operator the compiler does not look into (``adam(opaque=True)``).
+:mod:`fasttorch.optim.adam` holds the algorithm (:func:`~fasttorch.optim.adam.adam_math`,
+readable, per parameter) and makes one call here, :func:`update`, which chooses among
+the kernels that compute it over all parameters at once: torch's fused kernel for a
+donated eager GPU step (:func:`fused`, torch's fused form, with its own roundings), and
+to the algorithm's bits the ``_foreach_*`` calls of ``torch.optim.Adam(foreach=True,
+capturable=True)`` eagerly, in place or on copies (:func:`foreach`), their out-of-place
+form in a CPU graph (:func:`graph_update`), and ``fasttorch::adam_``, the in-place form
+as one operator the compiler does not look into (``adam(opaque=True)``).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -20,9 +23,106 @@ from fasttorch import _compat
 from fasttorch.optim import _base
 from fasttorch.optim._base import computed_once, in_cpu_graph
 
-__all__ = ["bias_corrections", "foreach", "fused", "graph_update"]
+__all__ = [
+    "Updated",
+    "bias_corrections",
+    "foreach",
+    "fused",
+    "fused_kernel",
+    "fused_update",
+    "graph_update",
+    "update",
+]
 
 _foreach_mul = torch._foreach_mul
+
+
+class Updated(NamedTuple):
+    """What :func:`update` returns: the new parameters, moments and step count.
+
+    ``m`` and ``v`` are ``None`` where the kernel wrote the state's own moment tensors
+    in place (the fused kernel, the opaque operator): the state keeps them.
+    """
+
+    p: list[Tensor]
+    m: list[Tensor] | None
+    v: list[Tensor] | None
+    new_count: Tensor
+
+
+def update(
+    p: list[Tensor],
+    g: list[Tensor],
+    m: list[Tensor],
+    v: list[Tensor],
+    lr: Tensor,
+    count: Tensor,
+    h: dict[str, Tensor],
+    *,
+    decoupled: bool,
+    inplace: bool,
+    opaque: bool,
+) -> Updated:
+    """One Adam(W) step over the lists ``p``, ``g``, ``m``, ``v`` by the kernel that fits.
+
+    ``lr``: the learning lr, 0-d. ``inplace``:
+    the caller may overwrite the parameter, moment, gradient and count tensors (a
+    donated state). Eagerly in place the count is the state's own tensor too (no
+    allocation at the peak). In a graph in place only as one opaque operator (a
+    donated CPU step with ``opaque``); otherwise out of place there. The choice, in
+    order: the opaque operator; in a CPU graph, :func:`graph_update`; eagerly in place
+    on a device with torch's fused kernel, :func:`fused`; else :func:`foreach` (on
+    copies when out of place: the same kernels as in place, so the same bits).
+    """
+    op = inplace and opaque and in_cpu_graph(p)
+    inplace = inplace and (op or not torch.compiler.is_compiling())
+    count = count.add_(1) if inplace else count + 1
+    if len(p) == 0:
+        return Updated(p, None, None, count)
+    with torch.no_grad():
+        if op:
+            hyper = [h[k] for k in ("beta1", "beta2", "eps", "weight_decay")]
+            torch.ops.fasttorch.adam_(p, g, m, v, lr, count, *hyper, decoupled)
+            return Updated(p, None, None, count)
+        if in_cpu_graph(p) and not inplace:
+            p, m, v = graph_update(p, g, m, v, lr, count, h, decoupled=decoupled)
+            return Updated(p, m, v, count)
+        kernel = fused_kernel((p, g, m, v), decoupled=decoupled) if inplace else None
+        if kernel is not None:
+            fused(kernel, (p, g, m, v), lr, count, h)
+            return Updated(p, None, None, count)
+        if not inplace:
+            p, g, m, v = ([t.clone() for t in ts] for ts in (p, g, m, v))
+        foreach(p, g, m, v, lr, count, h, decoupled=decoupled, inplace=inplace)
+    return Updated(p, m, v, count)
+
+
+def fused_kernel(lists: Sequence[list[Tensor]], *, decoupled: bool) -> Callable[..., Any] | None:
+    """torch's fused Adam (AdamW with ``decoupled``) kernel where it can update ``lists``
+    (params, grads, m, v) in this call, else ``None`` (:func:`_base.kernel`)."""
+    return _base.kernel("adamw" if decoupled else "adam", lists)
+
+
+def fused_update(
+    lists: Sequence[list[Tensor]],
+    lr: Tensor,
+    count: Tensor,
+    h: dict[str, Tensor],
+    *,
+    decoupled: bool,
+    grad_scale: Tensor | None,
+    found_inf: Tensor,
+) -> Tensor | None:
+    """torch's fused kernel over ``lists`` in place, skipped where ``found_inf``: the new
+    count (advanced in place unless ``found_inf``), or ``None`` (nothing done) where the
+    kernel does not apply. ``grad_scale``: the loss scale the gradients still carry."""
+    kernel = fused_kernel(lists, decoupled=decoupled)
+    if kernel is None:
+        return None
+    with torch.no_grad():
+        count = count.add_(found_inf.logical_not())
+        fused(kernel, lists, lr, count, h, grad_scale, _base.float_flag(found_inf))
+    return count
 
 
 def fused(

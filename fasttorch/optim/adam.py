@@ -1,4 +1,11 @@
-"""Adam and AdamW: adaptive moments with L2 or decoupled weight decay."""
+"""Adam and AdamW: adaptive moments with L2 or decoupled weight decay.
+
+The algorithm is :func:`adam_math`, one parameter's step, readable; :class:`Adam` keeps
+its state and hyperparameters and makes one call into ``_adam_kernels``, which chooses
+the kernel that computes the same bits for all parameters at once (torch's fused
+kernel, the ``_foreach_*`` calls, their in-graph form or one opaque operator). The
+algorithm never sees that choice.
+"""
 
 from __future__ import annotations
 
@@ -14,13 +21,61 @@ from fasttorch.optim._base import (
     OptState,
     check_hyper,
     check_lr,
-    in_cpu_graph,
     make_hyper,
     params_device,
     scheduled_or_fixed_lr,
 )
 
-__all__ = ["Adam", "adam", "adamw"]
+__all__ = ["Adam", "adam", "adam_math", "adamw"]
+
+
+def adam_math(
+    p: Tensor,
+    g: Tensor,
+    m: Tensor,
+    v: Tensor,
+    lr: Tensor,
+    count: Tensor,
+    h: Mapping[str, Tensor],
+    *,
+    decoupled: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One Adam(W) step of one parameter, out of place: the new ``p``, ``m``, ``v``.
+
+    The algorithm as ``torch.optim.Adam(foreach=True, capturable=True)`` computes it
+    (``_multi_tensor_adam``, the twin of :func:`adam`): its operations in its order,
+    the step count ``count`` (already advanced: ``t``), the bias corrections and ``lr``
+    as float32 tensors, the hyperparameters ``h`` (``beta1``, ``beta2``, ``eps``,
+    ``weight_decay``) as the state's 0-d float32 tensors. ``decoupled``: AdamW's decay.
+    :class:`Adam` runs it through the kernels of ``fasttorch/optim/_adam_kernels.py``,
+    over all parameters at once, which give these bits for float32 parameters
+    (tests/test_optim.py holds each to it), except torch's fused kernel (a donated
+    eager GPU step), which is torch's fused form with its own roundings.
+
+    Example:
+        >>> one = torch.ones(2)
+        >>> h = {k: torch.tensor(x) for k, x in
+        ...      {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0}.items()}
+        >>> p, m, v = adam_math(one, one, 0 * one, 0 * one, torch.tensor(0.1),
+        ...                     torch.tensor(1), h, decoupled=False)
+        >>> p
+        tensor([0.9000, 0.9000])
+    """
+    beta1, beta2, eps, wd = h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
+    lr = lr.to(torch.float32)
+    t = count.to(torch.float32)
+    step_size = beta1.pow(t).sub(1).div(lr).reciprocal()  # -lr / (1 - beta1**t)
+    bias_correction2_sqrt = beta2.pow(t).sub(1).neg().sqrt()  # sqrt(1 - beta2**t)
+    if decoupled:
+        p = p * (1 - lr * wd)
+    else:
+        g = g.addcmul(p, wd)  # g + wd * p, rounded once
+    m = m.lerp(g, (1 - beta1).to(m.dtype))
+    v = (v * beta2).addcmul(g * (1 - beta2), g)  # beta2 * v + (1 - beta2) * g * g
+    # (sqrt(v_hat) + eps) / -lr_t: p + m / denom is the step; at lr 0 it is -inf
+    # (eps > 0) and the step a zero, never 0/0.
+    denom = (v.sqrt() / bias_correction2_sqrt + eps) / step_size
+    return p.addcdiv(m, denom), m, v
 
 
 @attrs.frozen
@@ -106,42 +161,24 @@ class Adam:
         operator, ``fasttorch::adam_``, that runs the eager in-place form.
         """
         names = list(params)
-        p = [params[n] for n in names]
-        # In a graph, in place only as one opaque operator (a donated CPU step).
-        opaque = inplace and self.opaque and in_cpu_graph(p)
-        inplace = inplace and (opaque or not torch.compiler.is_compiling())
-        # In place, the count is the state's own tensor too (no allocation at the peak).
-        count = opt_state.count.add_(1) if inplace else opt_state.count + 1
-        if not names:
-            return {}, opt_state.replace(count=count)
-        h = opt_state.hyper
-        with torch.no_grad():
-            lr = self.learning_rate(opt_state, step)
-            g = [grads[n] for n in names]
-            m = [opt_state.slots["exp_avg"][n] for n in names]
-            v = [opt_state.slots["exp_avg_sq"][n] for n in names]
-            decoupled = self.decoupled_weight_decay
-            if opaque:
-                hyper = [h[k] for k in ("beta1", "beta2", "eps", "weight_decay")]
-                torch.ops.fasttorch.adam_(p, g, m, v, lr, count, *hyper, decoupled)
-                return dict(zip(names, p)), opt_state.replace(count=count)
-            if in_cpu_graph(p) and not inplace:
-                p, m, v = _adam_kernels.graph_update(p, g, m, v, lr, count, h, decoupled=decoupled)
-                slots = {"exp_avg": dict(zip(names, m)), "exp_avg_sq": dict(zip(names, v))}
-                return dict(zip(names, p)), opt_state.replace(count=count, slots=slots)
-            fused = _base.kernel(self._kernel_name, (p, g, m, v)) if inplace else None
-            if fused is not None:
-                _adam_kernels.fused(fused, (p, g, m, v), lr, count, h)
-                return dict(zip(names, p)), opt_state.replace(count=count)
-            if not inplace:
-                p, g, m, v = ([t.clone() for t in ts] for ts in (p, g, m, v))
-            _adam_kernels.foreach(p, g, m, v, lr, count, h, decoupled=decoupled, inplace=inplace)
-        slots = {"exp_avg": dict(zip(names, m)), "exp_avg_sq": dict(zip(names, v))}
-        return dict(zip(names, p)), opt_state.replace(count=count, slots=slots)
-
-    @property
-    def _kernel_name(self) -> str:
-        return "adamw" if self.decoupled_weight_decay else "adam"
+        p, g, m, v = self._lists(names, params, grads, opt_state)
+        out = _adam_kernels.update(
+            p,
+            g,
+            m,
+            v,
+            self.learning_rate(opt_state, step),
+            opt_state.count,
+            opt_state.hyper,
+            decoupled=self.decoupled_weight_decay,
+            inplace=inplace,
+            opaque=self.opaque,
+        )
+        new = dict(zip(names, out.p))
+        if out.m is None or out.v is None:  # written in place: the state's own tensors
+            return new, opt_state.replace(count=out.new_count)
+        slots = {"exp_avg": dict(zip(names, out.m)), "exp_avg_sq": dict(zip(names, out.v))}
+        return new, opt_state.replace(count=out.new_count, slots=slots)
 
     def fused_update(
         self,
@@ -163,15 +200,17 @@ class Adam:
         """
         names = list(params)
         lists = self._lists(names, params, grads, opt_state)
-        fused = _base.kernel(self._kernel_name, lists)
-        if fused is None:
+        count = _adam_kernels.fused_update(
+            lists,
+            self.learning_rate(opt_state, step),
+            opt_state.count,
+            opt_state.hyper,
+            decoupled=self.decoupled_weight_decay,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )
+        if count is None:
             return None
-        with torch.no_grad():
-            lr = self.learning_rate(opt_state, step)
-            count = opt_state.count.add_(found_inf.logical_not())
-            _adam_kernels.fused(
-                fused, lists, lr, count, opt_state.hyper, grad_scale, _base.float_flag(found_inf)
-            )
         return dict(zip(names, lists[0])), opt_state.replace(count=count)
 
     def can_fuse(
@@ -179,7 +218,7 @@ class Adam:
     ) -> bool:
         """Whether :meth:`fused_update` would run torch's fused kernel on these tensors."""
         lists = self._lists(list(params), params, grads, opt_state)
-        return _base.kernel(self._kernel_name, lists) is not None
+        return _adam_kernels.fused_kernel(lists, decoupled=self.decoupled_weight_decay) is not None
 
     @staticmethod
     def _lists(

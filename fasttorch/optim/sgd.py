@@ -1,16 +1,20 @@
-"""Stochastic gradient descent with momentum, dampening, Nesterov and weight decay."""
+"""Stochastic gradient descent with momentum, dampening, Nesterov and weight decay.
+
+The algorithm is :func:`sgd_math`, one parameter's step, readable; :class:`SGD` keeps
+its state and hyperparameters and makes one call into ``_sgd_kernels``, which chooses
+the kernel (torch's fused kernel, or the ``_foreach_*`` calls) for all parameters at once.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping
 
 import attrs
 import torch
 from torch import Tensor
 
-from fasttorch import _checks, _compat
-from fasttorch.optim import _base
+from fasttorch import _checks
+from fasttorch.optim import _base, _sgd_kernels
 from fasttorch.optim._base import (
     LearningRate,
     OptState,
@@ -21,9 +25,44 @@ from fasttorch.optim._base import (
     scheduled_or_fixed_lr,
 )
 
-__all__ = ["SGD", "sgd"]
+__all__ = ["SGD", "sgd", "sgd_math"]
 
-_foreach_mul = torch._foreach_mul
+
+def sgd_math(
+    p: Tensor,
+    g: Tensor,
+    buf: Tensor | None,
+    lr: Tensor,
+    count: Tensor,
+    h: Mapping[str, Tensor],
+    *,
+    nesterov: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """One SGD step of one parameter, out of place: the new ``p`` and momentum ``buf``.
+
+    The algorithm as ``torch.optim.SGD(foreach=True)`` with a tensor lr computes it
+    under ``torch.compile`` (the twin of :func:`sgd`): ``count`` is the step count
+    before this update (0 on the first), ``h`` the state's 0-d float32 hyperparameters
+    (``weight_decay``, and with a buffer ``momentum``, ``dampening``); ``buf`` is
+    ``None`` without momentum. :class:`SGD` runs it through the kernels of
+    ``fasttorch/optim/_sgd_kernels.py``, over all parameters at once, which give these
+    bits for float32 parameters (tests/test_optim.py), except torch's fused kernel (a
+    donated eager GPU step), torch's fused form.
+
+    Example:
+        >>> h = {"weight_decay": torch.tensor(0.0)}
+        >>> sgd_math(torch.ones(2), torch.ones(2), None, torch.tensor(0.1), torch.tensor(0), h,
+        ...          nesterov=False)
+        (tensor([0.9000, 0.9000]), None)
+    """
+    g = g.addcmul(p, h["weight_decay"])  # g + weight_decay * p, rounded once
+    if buf is not None:
+        momentum = h["momentum"]
+        # The first step copies g into the (zero) buffer: a coefficient of 1 there.
+        coef = torch.where(count == 0, torch.ones_like(momentum), 1 - h["dampening"])
+        buf = buf * momentum + g * coef
+        g = g.addcmul(buf, momentum) if nesterov else buf  # g + momentum * buf, rounded once
+    return p - g * lr.to(p.dtype), buf
 
 
 @attrs.frozen
@@ -100,64 +139,34 @@ class SGD:
         count = opt_state.count + 1
         if not names:
             return {}, opt_state.replace(count=count)
-        hyper = opt_state.hyper
         with torch.no_grad():
-            lr = self.learning_rate(opt_state, step)
-            p = [params[n] for n in names]
-            g = [grads[n] for n in names]
-            lists = self._fused_lists(names, p, g, opt_state) if inplace else None
-            fused = None if lists is None else _base.kernel("sgd", lists)
-            if fused is not None and lists is not None:
-                self._fused(fused, lists, lr, hyper)
-                return dict(zip(names, p)), opt_state.replace(count=count)
-            if not inplace:
-                p, g = [t.clone() for t in p], [t.clone() for t in g]
-            # Python numbers where the step may read them (once per change), else tensors.
-            host = not (torch.compiler.is_compiling() or _compat.in_functorch_transform())
-            # torch's grad.add(param, alpha=weight_decay): one rounding.
-            _add_scaled_(g, p, hyper["weight_decay"], host)
-            slots = opt_state.slots
-            if self._has_momentum:
-                momentum = hyper["momentum"]
-                # torch copies grad into the buffer on the first step; the buffer starts
-                # at zero, so a grad coefficient of 1 there (a tensor select, no sync)
-                # gives exactly that.
-                first = opt_state.count == 0
-                coef = torch.where(first, torch.ones_like(momentum), 1 - hyper["dampening"])
-                bufs = [opt_state.slots["momentum_buffer"][n] for n in names]
-                if not inplace:
-                    bufs = [t.clone() for t in bufs]
-                torch._foreach_mul_(bufs, momentum)
-                # g * coef is exact where coef is 1 (the first step, or dampening 0):
-                # then the sum rounds once, as torch's add(grad, alpha=1 - dampening).
-                torch._foreach_add_(bufs, _foreach_mul(g, coef))
-                if self.nesterov:
-                    _add_scaled_(g, bufs, momentum, host)
-                else:
-                    g = bufs
-                slots = {"momentum_buffer": dict(zip(names, bufs))}
-            # p + g * -lr, rounded twice, as torch's SGD with a tensor lr under
-            # torch.compile (eagerly it reads the lr to the host for add(alpha=-lr)).
-            # lr in the lists' dtype (float32 from a schedule's float64: the cast the op
-            # would make, same bits), for CUDA's multi-tensor path.
-            lr = lr if torch.compiler.is_compiling() else lr.to(_base.factor_dtype(p[0].dtype))
-            torch._foreach_sub_(p, _foreach_mul(g, lr))
+            p, g, bufs = self._lists(names, params, grads, opt_state)
+            p, bufs = _sgd_kernels.update(
+                p,
+                g,
+                bufs,
+                self.learning_rate(opt_state, step),
+                opt_state.count,
+                opt_state.hyper,
+                nesterov=self.nesterov,
+                inplace=inplace,
+            )
+        if bufs is None:  # no momentum, or written in place: the state's own slots
+            return dict(zip(names, p)), opt_state.replace(count=count)
+        slots = {"momentum_buffer": dict(zip(names, bufs))}
         return dict(zip(names, p)), opt_state.replace(count=count, slots=slots)
 
-    def _fused_lists(
-        self, names: list[str], p: list[Tensor], g: list[Tensor], opt_state: OptState
-    ) -> list[list[Tensor]] | None:
-        """(params, grads[, buffers]) for the fused kernel, or None where it does not
-        compute this algorithm (momentum with dampening other than 0)."""
-        if not self._has_momentum:
-            return [p, g]
-        # Not for half dtypes: torch's CPU kernel (2.13) gives wrong buffers for a
-        # bfloat16 step that is not the first, and the zero buffer relies on it.
-        if p[0].dtype not in (torch.float32, torch.float64):
-            return None
-        if _base.host_float(opt_state.hyper["dampening"]) != 0.0:
-            return None
-        return [p, g, [opt_state.slots["momentum_buffer"][n] for n in names]]
+    def _lists(
+        self,
+        names: list[str],
+        params: Mapping[str, Tensor],
+        grads: Mapping[str, Tensor],
+        opt_state: OptState,
+    ) -> tuple[list[Tensor], list[Tensor], list[Tensor] | None]:
+        bufs = None
+        if self._has_momentum:
+            bufs = [opt_state.slots["momentum_buffer"][n] for n in names]
+        return [params[n] for n in names], [grads[n] for n in names], bufs
 
     def fused_update(
         self,
@@ -178,15 +187,21 @@ class SGD:
         buffers as they are; the count does not advance.
         """
         names = list(params)
-        p, g = [params[n] for n in names], [grads[n] for n in names]
-        lists = self._fused_lists(names, p, g, opt_state) if names else None
-        fused = None if lists is None else _base.kernel("sgd", lists)
-        if fused is None or lists is None:
-            return None
+        p, g, bufs = self._lists(names, params, grads, opt_state)
         with torch.no_grad():
-            lr = self.learning_rate(opt_state, step)
-            count = opt_state.count + found_inf.logical_not()
-            self._fused(fused, lists, lr, opt_state.hyper, grad_scale, _base.float_flag(found_inf))
+            ran = _sgd_kernels.fused_update(
+                p,
+                g,
+                bufs,
+                self.learning_rate(opt_state, step),
+                opt_state.hyper,
+                nesterov=self.nesterov,
+                grad_scale=grad_scale,
+                found_inf=found_inf,
+            )
+        if not ran:
+            return None
+        count = opt_state.count + found_inf.logical_not()
         return dict(zip(names, p)), opt_state.replace(count=count)
 
     def can_fuse(
@@ -194,49 +209,9 @@ class SGD:
     ) -> bool:
         """Whether :meth:`fused_update` would run torch's fused kernel on these tensors."""
         names = list(params)
-        p, g = [params[n] for n in names], [grads[n] for n in names]
-        lists = self._fused_lists(names, p, g, opt_state) if names else None
-        return lists is not None and _base.kernel("sgd", lists) is not None
-
-    def _fused(
-        self,
-        fused: Callable[..., Any],
-        lists: Sequence[list[Tensor]],
-        lr: Tensor,
-        hyper: dict[str, Tensor],
-        grad_scale: Tensor | None = None,
-        found_inf: Tensor | None = None,
-    ) -> None:
-        """torch's fused SGD over ``lists`` (params, grads[, buffers]), one launch a dtype."""
-        momentum = _base.host_float(hyper["momentum"]) if self._has_momentum else 0.0
-        wd = _base.host_float(hyper["weight_decay"])
-        lr = lr.to(torch.float32)
-        for group in _base.by_dtype(lists):
-            fused(
-                group[0],
-                group[1],
-                group[2] if self._has_momentum else [],
-                weight_decay=wd,
-                momentum=momentum,
-                lr=lr,
-                dampening=0.0,
-                nesterov=self.nesterov,
-                maximize=False,
-                is_first_step=False,
-                grad_scale=grad_scale,
-                found_inf=found_inf,
-            )
-
-
-def _add_scaled_(a: list[Tensor], b: list[Tensor], s: Tensor, host: bool) -> None:
-    """``a += s * b`` rounded once, as torch's ``a.add_(b, alpha=s)`` (a fused
-    multiply-add on CPU and CUDA): with ``s`` as a Python float read once per change
-    (:func:`_base.host_float`) where ``host``, else as ``addcmul`` with the 0-d tensor,
-    which rounds the same way."""
-    if host:
-        torch._foreach_add_(a, b, alpha=_base.host_float(s))
-    else:
-        torch._foreach_addcmul_(a, b, [s] * len(a))
+        p, g, bufs = self._lists(names, params, grads, opt_state)
+        lists = _sgd_kernels.fused_lists(p, g, bufs, opt_state.hyper) if names else None
+        return lists is not None and _sgd_kernels.fused_kernel(lists) is not None
 
 
 def sgd(

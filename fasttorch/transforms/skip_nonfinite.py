@@ -1,15 +1,22 @@
-"""``skip_nonfinite``: skip updates with inf/NaN gradients, and stop after too many."""
+"""``skip_nonfinite``: skip updates with inf/NaN gradients, and stop after too many.
+
+Its sub-states: :class:`NonFiniteState` (the counters) and :class:`SkipBuffers` (the
+module's buffers as the window began, put back where an update is skipped; declared by
+:data:`SKIP_BUFFERS`, which ``with_amp`` declares too, kept once).
+"""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 
 from fasttorch import _checks, struct
 from fasttorch.phases import (
-    SKIP_BUFFERS,
     GradOut,
     LateRead,
     Metrics,
+    Tensors,
     mark_skip,
     no_state_read_after_inner,
     unscaled_norm,
@@ -18,9 +25,19 @@ from fasttorch.state import TrainState, check_alive
 from fasttorch.steps import Step, check_wrap
 from fasttorch.substates import SubState
 
-__all__ = ["NonFiniteError", "NonFiniteState", "skip_nonfinite"]
+__all__ = [
+    "BUFFERS_KEY",
+    "SKIP_BUFFERS",
+    "NonFiniteError",
+    "NonFiniteState",
+    "SkipBuffers",
+    "skip_nonfinite",
+]
 
 KEY = "nonfinite"
+
+BUFFERS_KEY = "skip_buffers"
+"""The sub-state key of the module's buffers as they were when the window began."""
 
 
 class NonFiniteError(FloatingPointError):
@@ -46,6 +63,53 @@ def _init(state: TrainState) -> NonFiniteState:
 
 
 SUBSTATE = SubState(KEY, NonFiniteState, _init)
+
+
+class SkipBuffers(struct.Record):
+    """Sub-state ``"skip_buffers"``: the module's buffers as they were when the window began.
+
+    The forward updates buffers (BatchNorm's running statistics) in place before the
+    update phase learns whether to skip; where an update is skipped the default update
+    phase puts these back (:meth:`restore`), and every update refreshes them. A copy of
+    the module's buffers, not of frozen parameters; replicated in a checkpoint, under
+    ``substates/skip_buffers/<name>`` (the field is inline: the keys of the plain dict
+    this sub-state was before, so those checkpoints load).
+
+    Attributes:
+        buffers: a copy of each of the module's buffers, same names as ``state.buffers``.
+    """
+
+    buffers: Tensors = struct.field(inline=True)
+
+    # Read by the default update phase (fasttorch.substates): where an update is
+    # skipped, the module's buffers are put back to these.
+    restores_buffers: ClassVar[bool] = True
+
+    def restore(self, buffers: Tensors, skip: torch.Tensor) -> tuple[Tensors, SkipBuffers]:
+        """``buffers`` with the kept ones put back where ``skip``, and the next snapshot.
+
+        Equivalent to::
+
+            if skipped:  # a torch.where, no host sync
+                module.load_state_dict(kept_buffers, strict=False)
+            kept_buffers = {k: b.clone() for k, b in module.named_buffers()}
+        """
+        if not self.buffers:
+            return buffers, self
+        out = dict(buffers)
+        for k, old in self.buffers.items():
+            out[k] = torch.where(skip, old, out[k])
+        # A copy, not the buffer itself: the next forward may update the buffer in place.
+        return out, SkipBuffers({k: out[k].clone() for k in self.buffers})
+
+
+def _snapshot_buffers(state: TrainState) -> SkipBuffers:
+    names = {n for n, _ in state.module.named_buffers()}
+    return SkipBuffers({k: b.clone() for k, b in state.buffers.items() if k in names})
+
+
+SKIP_BUFFERS = SubState(BUFFERS_KEY, SkipBuffers, _snapshot_buffers)
+"""The buffer snapshot a transform that marks skips declares (``substate=``; kept once)."""
 
 
 class _Limit:

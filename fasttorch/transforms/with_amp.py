@@ -11,7 +11,6 @@ import torch
 from fasttorch import _checks, _compat, struct
 from fasttorch._checks import warn_once
 from fasttorch.phases import (
-    SKIP_BUFFERS,
     Batch,
     GradOut,
     LateRead,
@@ -28,6 +27,7 @@ from fasttorch.phases import (
 from fasttorch.state import TrainState
 from fasttorch.steps import Step, check_wrap
 from fasttorch.substates import SubState
+from fasttorch.transforms.skip_nonfinite import SKIP_BUFFERS
 
 __all__ = ["KEY", "LossScaleState", "resolve_precision", "with_amp"]
 
