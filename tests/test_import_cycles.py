@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from benchmarks.imports import circles
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -70,30 +72,7 @@ def import_cycles(
     """The groups of modules of ``package`` that import each other in a circle."""
     mods = _modules(root, package)
     graph = {n: _imports(n, f, mods, typing, functions) for n, f in mods.items()}
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    found: list[list[str]] = []
-
-    def strong(v: str) -> None:  # Tarjan's strongly connected components
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        for w in graph[v]:
-            if w not in index:
-                strong(w)
-                low[v] = min(low[v], low[w])
-            elif w in stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            group = stack[stack.index(v) :]
-            del stack[stack.index(v) :]
-            if len(group) > 1:
-                found.append(sorted(group))
-
-    for v in sorted(graph):
-        if v not in index:
-            strong(v)
-    return found
+    return circles(graph)
 
 
 def test_fasttorch_has_no_import_cycle() -> None:
