@@ -247,8 +247,10 @@ FLOAT8 = (
     Float8Variant(None),
     Float8Variant("tensorwise"),
     Float8Variant("rowwise"),
+    Float8Variant(None, precision="bf16"),
     Float8Variant("tensorwise", precision="bf16"),
     Float8Variant("tensorwise", optimizer="AdamW8bit"),
+    Float8Variant(None, selective=True),
     Float8Variant("tensorwise", selective=True),
     Float8Variant("tensorwise", "bf16", "AdamW8bit", selective=True),
 )
