@@ -19,8 +19,11 @@ What is counted, not sampled from the process's RSS:
   the peak of bytes allocated during one step above what was live before it (the
   parameters and optimizer state are live before and not counted; activations,
   gradients and temporaries are);
-* float8: the bytes the autograd graph saves for backward
-  (``torch.autograd.graph.saved_tensors_hooks``), parameters apart from activations.
+* float8: the bytes the autograd graph saves for backward during one step
+  (``torch.autograd.graph.saved_tensors_hooks``), parameters apart from activations,
+  for fasttorch's float8 step (``float8.convert`` + ``with_float8``) and torchao's hand
+  loop (``convert_to_float8_training``), each recipe alone and combined with bf16
+  autocast, AdamW8bit and selective activation checkpointing.
 
 torchao compiles its optimizer kernel per parameter shape with inductor (minutes on a
 small CPU, once); ``--tiny`` runs it eagerly on both sides instead
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import importlib.util
 import os
 import platform
@@ -135,8 +139,11 @@ def _torchao_class(name: str) -> Any:
     return getattr(ao, name)
 
 
-def fasttorch_step(v: Variant, model: nn.Module) -> tuple[Callable[[], Any], Any]:
-    """One fasttorch step of ``v`` (a closure over its state) and the state."""
+def fasttorch_step(
+    v: Variant, model: nn.Module, *, float8: bool = False
+) -> tuple[Callable[[], Any], Any]:
+    """One fasttorch step of ``v`` (a closure over its state) and the state;
+    ``float8``: the step wrapped in ``with_float8`` (a model already converted)."""
     opt: Any = (
         fasttorch.optim.from_torch(torch.optim.AdamW, LR)
         if v.optimizer == "AdamW"
@@ -145,6 +152,10 @@ def fasttorch_step(v: Variant, model: nn.Module) -> tuple[Callable[[], Any], Any
     step = fasttorch.step(loss_fn)
     if v.precision == "bf16":
         step = fasttorch.with_amp(step, "bf16")
+    if float8:
+        from fasttorch.float8 import with_float8
+
+        step = with_float8(step)
     holder = {"state": step.init(fasttorch.TrainState.create(model, opt))}
 
     def run(batch: Any) -> None:
@@ -187,10 +198,10 @@ def measure(v: Variant, size: Size) -> dict[str, Any]:
     return out
 
 
-def saved_bytes(model: nn.Module, batch: Any) -> dict[str, int]:
-    """Bytes the forward saves for backward, parameters and activations apart (each
-    storage once)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+def saved_bytes(run: Callable[[], Any], params: list[torch.Tensor]) -> dict[str, int]:
+    """Bytes the autograd graph saves for backward during ``run()`` (one step), the
+    storages of ``params`` apart from the rest (each storage once)."""
+    weights = {p.untyped_storage().data_ptr() for p in params}
     seen: dict[int, tuple[bool, int]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -199,44 +210,99 @@ def saved_bytes(model: nn.Module, batch: Any) -> dict[str, int]:
             inner = [getattr(t, n) for n in t.__tensor_flatten__()[0]]
         for x in inner:
             s = x.untyped_storage()
-            seen[s.data_ptr()] = (s.data_ptr() in params, s.nbytes())
+            seen[s.data_ptr()] = (s.data_ptr() in weights, s.nbytes())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = loss_fn(model, batch)
-    loss.backward()
+        run()
     return {
         "weights": sum(n for is_param, n in seen.values() if is_param),
         "activations": sum(n for is_param, n in seen.values() if not is_param),
     }
 
 
-def float8_rows(size: Size) -> list[tuple[str, dict[str, int], int]]:
-    """The hand loop in fp32 and with torchao's float8 linear layers (emulated)."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+@dataclass(frozen=True)
+class Float8Variant:
+    """A float8 recipe (``None``: no float8) and what it is combined with."""
 
+    recipe: str | None
+    precision: str = "fp32"
+    optimizer: str = "AdamW"
+    selective: bool = False
+
+    @property
+    def name(self) -> str:
+        parts = [f"float8 ({self.recipe}, emulated)" if self.recipe else "no float8"]
+        parts += [self.precision] if self.precision != "fp32" else []
+        parts += [self.optimizer] if self.optimizer != "AdamW" else []
+        parts += ["selective AC"] if self.selective else []
+        return ", ".join(parts)
+
+    @property
+    def base(self) -> Variant:
+        return Variant(self.precision, self.optimizer, self.selective)
+
+
+FLOAT8 = (
+    Float8Variant(None),
+    Float8Variant("tensorwise"),
+    Float8Variant("rowwise"),
+    Float8Variant(None, precision="bf16"),
+    Float8Variant("tensorwise", precision="bf16"),
+    Float8Variant("tensorwise", optimizer="AdamW8bit"),
+    Float8Variant(None, selective=True),
+    Float8Variant("tensorwise", selective=True),
+    Float8Variant("tensorwise", "bf16", "AdamW8bit", selective=True),
+)
+
+# The tied head (the embedding's weight) stays a plain Linear, on both sides.
+_HEAD = "head"
+
+
+def float8_fasttorch(v: Float8Variant, model: nn.Module) -> tuple[Callable[[], Any], Any]:
+    """fasttorch's float8 step: ``float8.convert`` before ``TrainState.create``, the
+    step wrapped in ``with_float8`` (outside ``with_amp``)."""
+    from fasttorch import float8
+
+    if v.recipe is not None:
+        float8.convert(model, v.recipe, filter_fqns=(_HEAD,), emulate=True)  # type: ignore[arg-type]
+    run, holder = fasttorch_step(v.base, model, float8=v.recipe is not None)
+    return run, holder
+
+
+def float8_hand(v: Float8Variant, model: nn.Module) -> tuple[Callable[[], Any], Any]:
+    """torchao's hand loop: ``convert_to_float8_training`` with the recipe's config
+    (emulated), then the loop of ``v``'s precision and optimizer."""
+    if v.recipe is not None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig.from_recipe_name(v.recipe)
+        convert_to_float8_training(
+            model,
+            config=dataclasses.replace(config, emulate=True),
+            module_filter_fn=lambda m, fqn: fqn != _HEAD,
+        )
+    return hand_loop(v.base, model)
+
+
+def measure_float8(v: Float8Variant, size: Size) -> dict[str, Any]:
+    """Both sides of ``v``: saved-for-backward bytes (weights, activations), step peak."""
     batch = size.batch()
-    rows = []
-    for name in ("fp32", "float8 (tensorwise, emulated)"):
-        model = size.model(False)
-        if name != "fp32":
-            # The tied head (the embedding's weight) stays a plain Linear.
-            convert_to_float8_training(
-                model,
-                config=Float8LinearConfig(emulate=True),
-                module_filter_fn=lambda m, fqn: fqn != "head",
-            )
-        saved = saved_bytes(model, batch)
-        opt = torch.optim.AdamW(model.parameters(), lr=LR)
-
-        def run(model: nn.Module = model, opt: Any = opt) -> None:
-            loss_fn(model, batch).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        run()
-        rows.append((name, saved, peak_bytes(run)))
-    return rows
+    model = size.model(v.selective)
+    out: dict[str, Any] = {}
+    fast, holder = float8_fasttorch(v, copy.deepcopy(model))
+    hand_model = copy.deepcopy(model)
+    hand, _ = float8_hand(v, hand_model)
+    for side, run in (("fasttorch", fast), ("hand", hand)):
+        run(batch)  # creates the optimizer state
+        if side == "fasttorch":
+            state = holder["state"]
+            params = [*state.params.values(), *state.module.parameters()]
+        else:
+            params = list(hand_model.parameters())
+        out[f"{side}_saved"] = saved_bytes(lambda run=run: run(batch), params)
+        out[f"{side}_peak"] = peak_bytes(lambda run=run: run(batch))
+    return out
 
 
 def _mib(n: float) -> str:
@@ -292,26 +358,13 @@ def report(size_name: str) -> str:
         "fasttorch's AdamW state here is `from_torch(torch.optim.AdamW)`'s, torch's own "
         "keys (two moments and a step count per tensor), as the hand loop's.",
         "",
-        "## float8 linear layers (hand loop, emulated)",
+        "## float8 linear layers (emulated), alone and combined",
         "",
     ]
     if importlib.util.find_spec("torchao.float8") is None:
         lines.append("torchao's float8 is not installed here; nothing measured.")
     else:
-        lines += [
-            "torchao's `convert_to_float8_training(model, config=Float8LinearConfig("
-            "emulate=True))` (every Linear but the tied head), fp32 master weights, "
-            "torch.optim.AdamW. Saved for backward: the bytes the forward keeps for the "
-            "backward (`saved_tensors_hooks`, each storage once), weights apart.",
-            "",
-            "| hand loop | saved activations (MiB) | saved weights (MiB) | step peak (MiB) |",
-            "| --- | --- | --- | --- |",
-        ]
-        for name, saved, peak in float8_rows(size):
-            lines.append(
-                f"| {name} | {_mib(saved['activations'])} | {_mib(saved['weights'])} | "
-                f"{_mib(peak)} |"
-            )
+        lines += _float8_table(size, eager_kernel)
     lines += [
         "",
         "## CPU offload",
@@ -324,6 +377,44 @@ def report(size_name: str) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _float8_table(size: Size, eager_kernel: bool) -> list[str]:
+    variants = FLOAT8 if not eager_kernel else (FLOAT8[0], FLOAT8[1], FLOAT8[-1])
+    with torch.compiler.set_stance("force_eager" if eager_kernel else "default"):
+        results = [(v, measure_float8(v, size)) for v in variants]
+    lines = [
+        "fasttorch: `fasttorch.float8.convert(model, recipe, emulate=True, "
+        'filter_fqns=("head",))` before `TrainState.create`, the step wrapped in '
+        "`with_float8` (outside `with_amp` for bf16). Hand loop: torchao's "
+        "`convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("
+        "recipe) with emulate=True)`, then the loop of the first table (autocast, "
+        "torch.optim.AdamW or torchao's AdamW8bit, the selective policy). Every Linear "
+        "but the tied head is converted; the master weights stay float32. Saved: the "
+        "bytes the autograd graph keeps for the backward during one step "
+        "(`saved_tensors_hooks`, each storage once; a float8 tensor by its data and "
+        "scale), the parameters' own storages apart as weights. Under selective AC the "
+        "checkpointed blocks keep their saved tensors in `checkpoint`'s own store, "
+        "out of these hooks' sight: their saved columns count only what the forward "
+        "keeps outside the blocks, and the step peak shows the rest. Under bf16 autocast "
+        "the weights are saved as bf16 copies, which count as activations. torchao's "
+        "Float8Linear saves its input and weight in high precision and casts them to "
+        "float8 again in the backward, so float8 saves what the same model saves "
+        "without it; its casts' temporaries show in the step peak.",
+        "",
+        "| variant | saved activations, fasttorch (MiB) | saved activations, hand loop "
+        "(MiB) | saved weights, fasttorch (MiB) | saved weights, hand loop (MiB) "
+        "| step peak, fasttorch (MiB) | step peak, hand loop (MiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for v, r in results:
+        f, h = r["fasttorch_saved"], r["hand_saved"]
+        lines.append(
+            f"| {v.name} | {_mib(f['activations'])} | {_mib(h['activations'])} | "
+            f"{_mib(f['weights'])} | {_mib(h['weights'])} | {_mib(r['fasttorch_peak'])} | "
+            f"{_mib(r['hand_peak'])} |"
+        )
+    return lines
 
 
 def _version(name: str) -> str:

@@ -305,7 +305,10 @@ def test_cpu_offload_equals_torchao_on_cuda() -> None:
 
 def test_memory_benchmark_runs_at_a_tiny_size(tmp_path: Any) -> None:
     """``python -m benchmarks.memory --tiny --write``: each option once, the table written;
-    the counted state bytes: fp32 AdamW 8 per parameter, the low-bit ones fewer."""
+    the counted state bytes: fp32 AdamW 8 per parameter, the low-bit ones fewer; fasttorch's
+    float8 step (``float8.convert`` + ``with_float8``) saves for backward what torchao's
+    hand loop saves, alone and combined (the same forward ops on both sides: equal
+    counts)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -330,7 +333,14 @@ def test_memory_benchmark_runs_at_a_tiny_size(tmp_path: Any) -> None:
         and float(rows["fp32, AdamW4bit, selective AC"][0]) < 2
     )
     assert "bf16, AdamW, selective AC" in rows
-    assert "float8 (tensorwise, emulated)" in rows
+    for name in (
+        "float8 (tensorwise, emulated)",
+        "float8 (tensorwise, emulated), bf16, AdamW8bit, selective AC",
+    ):
+        act_fast, act_hand, w_fast, w_hand = (float(x) for x in rows[name][:4])
+        assert (act_fast, w_fast) == (act_hand, w_hand), (name, rows[name])
+        assert act_fast > 0, (name, rows[name])
+    assert float(rows["float8 (tensorwise, emulated)"][2]) > 0
 
 
 class _WithUnused(nn.Module):
