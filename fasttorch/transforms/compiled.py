@@ -186,8 +186,13 @@ def compiled(
             differentiated and compiled once for all layers (dynamo still traces each
             call), with inductor's Python wrapper and fasttorch's graph pass for
             outputs that alias a region's inputs.
-            ``"auto"``: not yet on any device (docs/transforms.md, "Regional
-            compilation").
+            ``"auto"`` uses them on no device today. On the CPU, because inductor's
+            C++ wrapper cannot call a region, so a graph with regions runs on its
+            Python wrapper: side by side the steady step ran 0.83-0.90x the whole
+            step's speed (docs/benchmarks_steady.md), for a cold compile 0.71x as long
+            at 24 layers (docs/benchmarks_compile.md). On CUDA, because regions have
+            not been measured on a GPU yet (the GPU command's regions test and compile
+            part are the check). docs/transforms.md, "Regional compilation".
 
     Raises:
         ValueError: CUDA graphs asked for a step built with ``donate=False``; a
