@@ -170,6 +170,7 @@ def adam_twin(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float | None = None,
+    fused: bool = False,
 ) -> Callable[[Any], torch.optim.Optimizer]:
     """``make_opt`` for the torch twin of fasttorch's ``adam``/``adamw``: ``cls`` (Adam
     or AdamW) with ``foreach=True, capturable=True``, a float32 tensor lr and the other
@@ -177,12 +178,15 @@ def adam_twin(
     gradients (docs/optimizers.md). Its ``step`` runs inside :func:`capturable_on_cpu`.
     Its float32 bias corrections differ from the default form's doubles by up to 3.3e-6
     relative in the first steps (beta2 0.999), more than rule 2's bound at a large lr:
-    compare fasttorch with it, not with the default form."""
+    compare fasttorch with it, not with the default form. ``fused``: the twin of an
+    opaque ``adam(..., opaque=True)`` in a donated CPU step, ``fused=True`` instead."""
     kw: dict[str, Any] = {"betas": (f32(betas[0]), f32(betas[1])), "eps": f32(eps)}
     if weight_decay is not None:
         kw["weight_decay"] = f32(weight_decay)
 
     def make(params: Any) -> torch.optim.Optimizer:
+        if fused:
+            return cls(params, lr=torch.tensor(lr), fused=True, **kw)
         opt = cls(params, lr=torch.tensor(lr), foreach=True, capturable=True, **kw)
         step = opt.step
 

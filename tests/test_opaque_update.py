@@ -1,5 +1,7 @@
-"""``adam(..., opaque=True)``: in a compiled CPU step that donates its state, the update
-is one operator (``fasttorch::adam_``) that runs the eager step's in-place kernels."""
+"""``adam(..., opaque=True)``: in a CPU step that donates its state, the update is torch's
+fused CPU kernel, in a compiled step one operator (``fasttorch::adam_fused_``) that runs
+the eager step's call; the window's mean and the clip's coefficient are folded into the
+factor the kernel divides out."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from tolerance import EXACT, fp32_reference_error, params_atol, reference_error
 import fasttorch
 from fasttorch import optim
 
-ADAM_OP = torch.ops.fasttorch.adam_.default
+ADAM_OP = torch.ops.fasttorch.adam_fused_.default
 LR = 1e-2
 
 
@@ -63,7 +65,7 @@ def _train(model, opt, step, data):
 
 @pytest.mark.parametrize("make", [optim.adamw, optim.adam], ids=["adamw", "adam"])
 def test_the_opaque_update_gives_the_eager_steps_bits(make):
-    """Rule 1: the operator runs the donated eager step's kernels on the same values."""
+    """Rule 1: the operator runs the donated eager step's kernel on the same values."""
     torch.manual_seed(0)
     model, data = LayerNormNet(), batches(4, 16)
     opaque = make(LR, weight_decay=0.1, opaque=True)
@@ -72,7 +74,7 @@ def test_the_opaque_update_gives_the_eager_steps_bits(make):
     fast = _train(model, opaque, fasttorch.compiled(_composed(), backend=backend), data)
     plain_step = fasttorch.compiled(_composed(), backend="aot_eager")
     plain = _train(model, make(LR, weight_decay=0.1), plain_step, data)
-    assert backend.calls(torch.ops.fasttorch.adam_) == 1
+    assert backend.calls(torch.ops.fasttorch.adam_fused_) == 1
     for name, p in eager.params.items():
         torch.testing.assert_close(fast.params[name], p, **EXACT)
         for slot in ("exp_avg", "exp_avg_sq"):
@@ -146,15 +148,17 @@ def _aten_ops(opt: optim.Adam) -> collections.Counter[str]:
     return names
 
 
-def test_the_windows_mean_and_the_clip_run_as_operators_in_place():
-    """In a donated compiled CPU step with the opaque optimizer, the window's mean, the
-    global norm, the clip's scaling and Adam are one operator each
-    (``fasttorch._core.opaque``, ``fasttorch::adam_``), and the graph holds no per-tensor
-    norm; without the option, none of the operators and a norm per tensor."""
-    ops = ("foreach_div_", "global_norm", "foreach_mul_", "adam_")
+def test_the_windows_mean_and_the_clip_fold_into_the_kernels_factor():
+    """In a donated compiled CPU step with the opaque optimizer, the global norm and
+    Adam are one operator each (``fasttorch._core.opaque``, ``fasttorch::adam_fused_``):
+    the window's mean and the clip's scaling are no passes of their own but the factor
+    the fused kernel divides out, and the graph holds no per-tensor norm; without the
+    option, none of the operators and a norm per tensor."""
     opaque = _aten_ops(optim.adamw(LR, opaque=True))
-    assert {op: opaque[f"fasttorch.{op}.default"] for op in ops} == dict.fromkeys(ops, 1)
+    ours = {name: n for name, n in opaque.items() if name.startswith("fasttorch.")}
+    assert ours == {"fasttorch.global_norm.default": 1, "fasttorch.adam_fused_.default": 1}
     assert opaque["aten.linalg_vector_norm.default"] == 0
+    assert opaque["aten._foreach_div.Tensor"] == opaque["aten._foreach_mul.Tensor"] == 0
     plain = _aten_ops(optim.adamw(LR))
     assert not any(name.startswith("fasttorch.") for name in plain)
     tensors = len(LayerNormNet().state_dict())
@@ -169,7 +173,7 @@ def test_not_donated_the_update_stays_in_the_graph():
     state = fasttorch.TrainState.create(LayerNormNet(), optim.adamw(LR, opaque=True))
     before = {k: v.clone() for k, v in state.params.items()}
     step(state, batches(1, 8)[0])
-    assert backend.calls(torch.ops.fasttorch.adam_) == 0
+    assert backend.calls(torch.ops.fasttorch.adam_fused_) == 0
     for k, v in before.items():
         torch.testing.assert_close(state.params[k], v, **EXACT)  # left as it was
 
@@ -205,7 +209,7 @@ def test_groups_pass_in_place_to_the_opaque_optimizer_only():
     backend = Graphs()
     eager = _train(model, opt, fasttorch.step(mse), data)
     fast = _train(model, opt, fasttorch.compiled(fasttorch.step(mse), backend=backend), data)
-    assert backend.calls(torch.ops.fasttorch.adam_) == 1
+    assert backend.calls(torch.ops.fasttorch.adam_fused_) == 1
     for name, p in eager.params.items():
         torch.testing.assert_close(fast.params[name], p, **EXACT)
 
@@ -229,11 +233,19 @@ def test_inductor_calls_the_operator_on_the_donated_tensors():
     step = fasttorch.compiled(fasttorch.step(mse))
     for b in data[:2]:
         state, _ = step(state, b)
-    with torch.profiler.profile() as prof:  # warm: one operator call, no scalar reads
+    with torch.profiler.profile() as prof:  # warm: one operator call
         state, _ = step(state, data[2])
-    names = [e.name for e in prof.events()]
-    assert names.count("fasttorch::adam_") == 1
-    assert "aten::_local_scalar_dense" not in names
+    events = prof.events()
+    assert [e.name for e in events].count("fasttorch::adam_fused_") == 1
+    # The only scalar reads are torch's fused CPU kernel's own (its lr and step counts,
+    # read in C++ as torch.optim.AdamW(fused=True) on a CPU reads them; no device sync).
+    for e in events:
+        if e.name == "aten::_local_scalar_dense":
+            parents = []
+            while e.cpu_parent is not None:
+                e = e.cpu_parent
+                parents.append(e.name)
+            assert "aten::_fused_adamw_" in parents, parents
     assert {k: v.untyped_storage().data_ptr() for k, v in state.params.items()} == storage
     eager = _train(model, opt, fasttorch.step(mse), data)
     assert int(state.opt_state.count) == int(eager.opt_state.count) == 3
@@ -246,16 +258,18 @@ def test_inductor_calls_the_operator_on_the_donated_tensors():
         torch.testing.assert_close(state.params[name], p, rtol=0, atol=atol)
 
 
-def test_a_skippable_fp16_step_runs_its_norm_and_clip_as_operators():
-    """With ``with_amp("fp16")`` the update may be skipped, so Adam stays the graph's
-    own form; the window's mean, the loss-scaled norm and the clip's unscale-and-clip
-    multiply still run as operators, with the eager step's bits (rule 1) and the
+def test_a_skippable_fp16_step_runs_the_fused_kernel_with_the_skip_flag():
+    """With ``with_amp("fp16")`` the update may be skipped: the fused kernel takes the
+    skip flag and the loss scale, with the window's total and the clip's coefficient
+    folded into it, as ``GradScaler.step`` gives them to ``AdamW(fused=True)``; the
+    loss-scaled norm is one operator. The eager step's bits (rule 1) and the
     hand-written GradScaler loop's values (rules 2 + 4).
 
-    The loop's AdamW is adamw's torch twin (``foreach=True, capturable=True``, a tensor
-    lr, the hyperparameters' float32 values; docs of ``optim.adam``): torch's default
-    form rounds otherwise, and through fp16 rounding flips one element of this run moves
-    2.2x rule 4's bound away from the twin's (4.6e-5; torch against torch)."""
+    The loop's AdamW is torch's fused form with a tensor lr and the hyperparameters'
+    float32 values (``adam_twin(..., fused=True)``): torch's default form rounds
+    otherwise, and through fp16 rounding flips one element of a run can move 2.2x rule
+    4's bound away from the twin's (4.6e-5 with the ``_foreach`` twin; torch against
+    torch)."""
     torch.manual_seed(0)
     model, data = LayerNormNet(), batches(4, 16)
     scale = {"init_scale": 2.0**10, "growth_interval": 2}
@@ -274,13 +288,15 @@ def test_a_skippable_fp16_step_runs_its_norm_and_clip_as_operators():
     backend = Graphs()
     eager = train(composed())
     fast = train(fasttorch.compiled(composed(), backend=backend))
-    for name in ("foreach_div_", "global_norm", "foreach_mul_"):
-        assert backend.calls(getattr(torch.ops.fasttorch, name)) == 1, name
+    assert backend.calls(torch.ops.fasttorch.global_norm) == 1
+    assert backend.calls(torch.ops.fasttorch.adam_fused_) == 1
+    assert backend.calls(torch.ops.fasttorch.foreach_mul_) == 0
     for name, p in eager.params.items():
         torch.testing.assert_close(fast.params[name], p, **EXACT)
+    assert int(fast.opt_state.count) == int(eager.opt_state.count)
     windows = [list(zip(x.tensor_split(2), y.tensor_split(2))) for x, y in data]
 
-    make_opt = adam_twin(torch.optim.AdamW, LR, weight_decay=0.1)
+    make_opt = adam_twin(torch.optim.AdamW, LR, weight_decay=0.1, fused=True)
 
     ref, _ = reference_run(
         model, windows, make_opt=make_opt, precision="fp16", clip=1.0, scaler_kwargs=scale

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -556,7 +557,7 @@ def capturable_on_cpu() -> Iterator[None]:
 
 def _twin(name: str, params: list[nn.Parameter], lr: float, mode: str) -> torch.optim.Optimizer:
     """The torch optimizer ``name``'s ``mode`` equals: torch's fused kernel for the fused
-    path, else the foreach form above."""
+    path and the opaque one (torch's fused CPU kernel), else the foreach form above."""
     _, cls, kw = TWINS[name]
     if cls != "SGD":  # torch's defaults, which are fasttorch's, as Python floats
         kw = {"betas": (0.9, 0.999), "eps": 1e-8, **kw}
@@ -567,7 +568,7 @@ def _twin(name: str, params: list[nn.Parameter], lr: float, mode: str) -> torch.
     lr_t = torch.tensor(lr, dtype=torch.float32)
     if cls == "AdamW" and "weight_decay" not in hyper:
         hyper["weight_decay"] = f32(1e-2)  # fasttorch's adamw default, torch's too
-    if mode == "fused":
+    if mode in ("fused", "opaque"):
         return getattr(torch.optim, cls)(params, lr=lr_t, fused=True, **hyper)
     if cls == "SGD":
         opt = torch.optim.SGD(params, lr=lr_t, foreach=True, **hyper)
@@ -589,7 +590,8 @@ def _twin_grads(steps: int) -> list[dict[str, Tensor]]:
 
 def _native_update(opt: Any, mode: str) -> Callable[..., Any]:
     """``opt.update`` as ``mode`` runs it: out of place, in place, compiled (a CPU graph,
-    out of place) or opaque (compiled in place: Adam's ``fasttorch::adam_`` operator)."""
+    out of place) or opaque (compiled in place: Adam's ``fasttorch::adam_fused_`` operator,
+    torch's fused CPU kernel)."""
     if mode == "eager":
         return opt.update
     if mode in ("inplace", "fused"):  # fused: a donated eager step on a GPU
@@ -639,9 +641,9 @@ def _run_twins(
     return params
 
 
-# Every path of every optimizer: the opaque operator is Adam's only; "fused" runs the
-# donated eager GPU step's kernel (FUSED_DEVICES with "cpu" added), whose twin is torch's
-# fused=True.
+# Every path of every optimizer: the opaque operator is Adam's only, torch's fused CPU
+# kernel; "fused" runs the donated eager GPU step's kernel (FUSED_DEVICES with "cpu"
+# added); the twin of both is torch's fused=True.
 PATHS = [
     (name, mode)
     for name in sorted(TWINS)
@@ -682,7 +684,13 @@ def test_lr_zero_and_a_warmup_from_zero_give_no_nan(name: str, mode: str) -> Non
         _assert_equal(p.detach(), start[n], f"torch.optim.{cls} at lr 0: {n}")
 
 
-ALGORITHM_PATHS = [(n, m) for n, m in PATHS if n.startswith("adam") and m != "fused"]
+# "unfused": the opaque optimizer where torch's fused kernel does not apply (its
+# _foreach operator, fasttorch::adam_); "opaque" itself is torch's fused CPU kernel.
+ALGORITHM_PATHS = [
+    (n, "unfused" if m == "opaque" else m)
+    for n, m in PATHS
+    if n.startswith("adam") and m != "fused"
+]
 
 
 @pytest.mark.parametrize(("name", "mode"), ALGORITHM_PATHS)
@@ -692,19 +700,25 @@ def test_every_adam_kernel_computes_the_readable_algorithm_s_bits(
 ) -> None:
     """adam.py's adam_math is the algorithm, one parameter at a time; every kernel
     _adam_kernels.update chooses for it (foreach on copies or in place, the CPU graph,
-    the opaque operator) gives its bits, step for step (EXACT: the same operations on
-    the same values). torch's fused kernel, a donated eager GPU step's, is torch's
-    fused form, with its own roundings: its twin is torch's fused=True (above)."""
+    the opaque ``_foreach`` operator where torch's fused kernel does not apply) gives
+    its bits, step for step (EXACT: the same operations on the same values). torch's
+    fused kernel, a donated eager GPU step's and an opaque optimizer's donated CPU
+    step's, is torch's fused form, with its own roundings: its twin is torch's
+    fused=True (above)."""
     factory, _, kw = TWINS[name]
-    opt = factory(lr, **kw, **({"opaque": True} if mode == "opaque" else {}))
+    opt = factory(lr, **kw, **({"opaque": True} if mode == "unfused" else {}))
     gen = torch.Generator().manual_seed(4)
     params = {n: torch.randn(s, generator=gen) for n, s in TWIN_SHAPES.items()}
     state = opt.init(params)
     p_ref = {n: t.clone() for n, t in params.items()}
     m_ref = {n: torch.zeros_like(t) for n, t in params.items()}
     v_ref = {n: torch.zeros_like(t) for n, t in params.items()}
-    update = _native_update(opt, mode)
-    fused = frozenset({"cuda", "cpu"}) if mode == "fused" else _base.FUSED_DEVICES
+    update = _native_update(opt, "opaque" if mode == "unfused" else mode)
+    no_kernel = (
+        mock.patch.object(_base._compat, "fused_optimizer_kernel", lambda name: None)
+        if mode == "unfused"
+        else contextlib.nullcontext()
+    )
     for k, grads in enumerate(_twin_grads(4)):
         count = torch.tensor(k + 1)
         for n in params:
@@ -718,7 +732,7 @@ def test_every_adam_kernel_computes_the_readable_algorithm_s_bits(
                 state.hyper,
                 decoupled=opt.decoupled_weight_decay,
             )
-        with mock.patch.object(_base, "FUSED_DEVICES", fused):
+        with no_kernel:
             params, state = update(
                 params, {n: g.clone() for n, g in grads.items()}, state, torch.tensor(k)
             )

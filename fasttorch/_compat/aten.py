@@ -76,21 +76,31 @@ def autograd_profiler_enabled() -> bool:
 _FUSED_KERNELS = {"adam": "_fused_adam_", "adamw": "_fused_adamw_", "sgd": "_fused_sgd_"}
 
 
+def _find_fused_kernel(name: str) -> Callable[..., Any] | None:
+    packet = getattr(torch.ops.aten, _FUSED_KERNELS[name], None)
+    if packet is None or "tensor_lr" not in packet.overloads():
+        return None
+    return packet.tensor_lr  # type: ignore[no-any-return]
+
+
+# Looked up once: dynamo cannot trace ``OpOverloadPacket.overloads``, and an opaque
+# optimizer asks, while its compiled step is traced, whether the kernel exists.
+_FUSED_FOUND = {name: _find_fused_kernel(name) for name in _FUSED_KERNELS}
+
+
 def fused_optimizer_kernel(name: str) -> Callable[..., Any] | None:
     """torch's fused multi-tensor kernel of optimizer ``name`` ("adam", "adamw", "sgd").
 
     Why: a donated eager step on a GPU should launch what ``torch.optim.AdamW(fused=True)``
     launches, one kernel per dtype for the whole update, instead of a ``_foreach_*``
-    launch per operation. The kernels are private ATen ops (``torch._fused_adamw_``,
-    called by ``torch/optim/adam.py`` ``_fused_adam``), with a ``tensor_lr`` overload
-    (the learning rate read on the device, no host sync) and ``grad_scale`` /
-    ``found_inf`` (``GradScaler``'s unscale and skip inside the kernel). ``None`` where
-    this torch has no such op or overload.
+    launch per operation; an opaque optimizer's step on a CPU (``adam(...,
+    opaque=True)``) runs torch's fused CPU kernel, one pass per tensor. The kernels are
+    private ATen ops (``torch._fused_adamw_``, called by ``torch/optim/adam.py``
+    ``_fused_adam``), with a ``tensor_lr`` overload (the learning rate read on the
+    device, no host sync) and ``grad_scale`` / ``found_inf`` (``GradScaler``'s unscale
+    and skip inside the kernel). ``None`` where this torch has no such op or overload.
     """
-    packet = getattr(torch.ops.aten, _FUSED_KERNELS[name], None)
-    if packet is None or "tensor_lr" not in packet.overloads():
-        return None
-    return packet.tensor_lr  # type: ignore[no-any-return]
+    return _FUSED_FOUND[name]
 
 
 def tensor_version(t: torch.Tensor) -> int:

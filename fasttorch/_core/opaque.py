@@ -1,16 +1,20 @@
 """The update's arithmetic over every gradient as operators the compiler does not look into.
 
-In a compiled CPU step that donates its state and whose optimizer runs opaque
-(``adam(..., opaque=True)``: :func:`fasttorch.phases.opaque_update`), the rest of the
-update over the gradients goes the same way: the accumulation window's mean, the global
-norm and the clip's scaling are each one call of an operator below, whose body is the
-eager step's own ``_foreach`` kernels. Inductor then neither traces nor generates code
-per parameter tensor for them (at 12 layers, the per-tensor norms alone were a C++ kernel
-of 300 KB that took 10 s to build), and eager and compiled steps give the same bits.
+In a step that donates its state on a CPU and whose optimizer runs opaque (``adam(...,
+opaque=True)``: :func:`fasttorch.phases.opaque_update`), the optimizer's one pass, torch's
+fused CPU kernel, divides out the factor the gradients carry: the accumulation window's
+total weight and the clip's coefficient are folded into it, not passes of their own.
+What is left over the gradients, in a compiled step, is an operator below each: the
+global norm, and a scaling where the optimizer cannot take the factor (an optimizer
+beside it in ``groups`` that cannot, parameters the loss did not reach). Their bodies
+are the eager step's own ``_foreach`` kernels. Inductor then neither traces nor
+generates code per parameter tensor for them (at 12 layers, the per-tensor norms alone
+were a C++ kernel of 300 KB that took 10 s to build), and eager and compiled steps give
+the same bits.
 
-The operators write into the gradients they are given (the update owns them: the
-window's sums, donated or a scratch buffer), as the eager step does.
-``torch.library.custom_op`` is public API.
+The multiply writes into the gradients it is given (the update owns them: the window's
+sums, donated or a scratch buffer), as the eager step does. ``torch.library`` is public
+API.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import functools
 import torch
 from torch import Tensor
 
-__all__ = ["foreach_div_", "foreach_mul_", "global_norm"]
+__all__ = ["foreach_mul_", "global_norm"]
 
 
 def _norm_impl(tensors: list[Tensor]) -> Tensor:
@@ -29,34 +33,28 @@ def _norm_impl(tensors: list[Tensor]) -> Tensor:
     return norm
 
 
-_norm_op = torch.library.custom_op("fasttorch::global_norm", _norm_impl, mutates_args=())
+def _mul_impl(tensors: list[Tensor], factor: Tensor) -> None:
+    torch._foreach_mul_(tensors, factor)
 
 
-@_norm_op.register_fake
+# Defined through torch.library.Library with CPU kernels only, not custom_op, whose
+# Python autograd and in-place layers cost tens of microseconds a call over many
+# tensors: the operators run under no_grad on gradients the update owns.
+_LIB = torch.library.Library("fasttorch", "FRAGMENT")
+_LIB.define("global_norm(Tensor[] tensors) -> Tensor")
+_LIB.impl("global_norm", _norm_impl, "CPU")
+_LIB.define("foreach_mul_(Tensor(a!)[] tensors, Tensor factor) -> ()")
+_LIB.impl("foreach_mul_", _mul_impl, "CPU")
+
+
+@torch.library.register_fake("fasttorch::global_norm", lib=_LIB)
 def _norm_fake(tensors: list[Tensor]) -> Tensor:
     dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
     return tensors[0].new_empty((), dtype=dtype)
 
 
-def _mul_impl(tensors: list[Tensor], factor: Tensor) -> None:
-    torch._foreach_mul_(tensors, factor)
-
-
-def _div_impl(tensors: list[Tensor], divisor: Tensor) -> None:
-    torch._foreach_div_(tensors, divisor)
-
-
-_mul_op = torch.library.custom_op("fasttorch::foreach_mul_", _mul_impl, mutates_args=("tensors",))
-_div_op = torch.library.custom_op("fasttorch::foreach_div_", _div_impl, mutates_args=("tensors",))
-
-
-@_mul_op.register_fake
+@torch.library.register_fake("fasttorch::foreach_mul_", lib=_LIB)
 def _mul_fake(tensors: list[Tensor], factor: Tensor) -> None:
-    """Nothing to compute: the operator writes into its arguments and returns nothing."""
-
-
-@_div_op.register_fake
-def _div_fake(tensors: list[Tensor], divisor: Tensor) -> None:
     """Nothing to compute: the operator writes into its arguments and returns nothing."""
 
 
@@ -69,8 +67,3 @@ def global_norm(tensors: list[Tensor]) -> Tensor:
 def foreach_mul_(tensors: list[Tensor], factor: Tensor) -> None:
     """``tensors *= factor`` (a 0-d tensor), in place, as one operator."""
     torch.ops.fasttorch.foreach_mul_(tensors, factor)
-
-
-def foreach_div_(tensors: list[Tensor], divisor: Tensor) -> None:
-    """``tensors /= divisor`` (a 0-d tensor), in place, as one operator."""
-    torch.ops.fasttorch.foreach_div_(tensors, divisor)

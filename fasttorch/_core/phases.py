@@ -59,6 +59,7 @@ __all__ = [
     "apply_optimizer",
     "as_loss",
     "batch_size",
+    "clipped",
     "constant",
     "describe",
     "divide_aux",
@@ -557,9 +558,11 @@ def apply_optimizer(
     Parameters the loss did not reach go through ``update_used``'s filter instead.
     """
     grads = g.grads
+    # With an opaque optimizer (g.opaque) its kernel takes the factor the gradients
+    # carry (the window's total weight, the clip's coefficient) whether or not a skip.
     fused = (
         getattr(opt, "fused_update", None)
-        if in_place and g.skip is not None and not g.unused
+        if in_place and (g.skip is not None or g.opaque) and not g.unused
         else None
     )
     if fused is not None:
@@ -873,26 +876,24 @@ def reads_no_state_after_inner(update: UpdatePhase) -> bool:
 
 
 def opaque_update(state: TrainState, donated: bool) -> bool:
-    """Whether a compiled step's update runs opaque, in place on the donated state.
+    """Whether a step's update runs opaque, in place on the donated state.
 
     On a CPU, in a step that donates its state (``donated``: ``GradOut.donated``, or
     ``step.donate`` before the update phase), for an optimizer that asks for it
     (``optim._base.in_place_in_graph``: ``adam(..., opaque=True)``). The optimizer then
-    runs as one operator on the state's own tensors, and the arithmetic over the
-    gradients before it (the window's mean, the global norm, the clip's scaling) as
-    operators of :mod:`fasttorch._core.opaque` on the gradients the update owns. The
+    runs torch's fused CPU kernel on the state's own tensors (in a graph as one
+    operator), which divides out the factor the gradients carry (``GradOut.scale``):
+    the window's mean and the clip's coefficient are folded into that factor instead of
+    being passes over every gradient (:func:`clipped`), and the global norm, and what
+    scaling remains, run as operators of :mod:`fasttorch._core.opaque` in a graph. The
+    same eagerly, so that an eager step and a compiled one give the same bits. The
     runner decides it where it sets ``GradOut.donated`` and fills ``GradOut.opaque``,
-    which :func:`unscaled_norm`, :func:`scaled_grads` and the default update phase read:
-    a transform never names it. The window's own mean reads it here.
+    which :func:`unscaled_norm`, :func:`clipped` and the default update phase read: a
+    transform never names it. The window's own mean reads it here.
     Not under ``vmap``, whose members' steps do not donate (``vmapped``), and not on a
     GPU, where it was not measured.
     """
-    return (
-        torch.compiler.is_compiling()
-        and donated
-        and state.device.type == "cpu"
-        and in_place_in_graph(state.optimizer)
-    )
+    return donated and state.device.type == "cpu" and in_place_in_graph(state.optimizer)
 
 
 def unscaled_norm(
@@ -911,6 +912,25 @@ def unscaled_norm(
     if g.scale is None:
         return norm
     return norm * (reciprocal(g.scale) if inv is None else inv)
+
+
+def clipped(
+    g: GradOut, coef: torch.Tensor, *, norm: torch.Tensor, inv: torch.Tensor | None = None
+) -> GradOut:
+    """``g`` with its true gradients times ``coef`` (0-d) and unscaled, ``norm`` known.
+
+    ``g.grads / g.scale * coef``: multiplied now by ``coef`` times the scale's
+    :func:`reciprocal` (``inv``, where the caller computed it already), in one pass.
+    On the opaque path the runner chose (``g.opaque``: the optimizer's kernel divides
+    out the factor the gradients carry) nothing is multiplied: the factor becomes
+    ``g.scale / coef``, divided out by the optimizer's one pass.
+    """
+    if g.opaque:
+        scale = reciprocal(coef) if g.scale is None else g.scale / coef
+        return g.replace(scale=scale, norm=norm)
+    if g.scale is not None:
+        coef = coef * (reciprocal(g.scale) if inv is None else inv)
+    return g.replace(grads=scaled_grads(g, coef), scale=None, norm=norm)
 
 
 def scaled_grads(g: GradOut, factor: torch.Tensor) -> Tensors:

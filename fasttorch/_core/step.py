@@ -44,7 +44,6 @@ import torch.utils._pytree as pytree
 
 from fasttorch import _checks
 from fasttorch._checks import warn_once
-from fasttorch._core import opaque as _opaque
 from fasttorch._core.phases import (
     Batch,
     GradOut,
@@ -518,9 +517,9 @@ def _close(
     opaque = owned and opaque_update(state, step.donate)
 
     def divide(ts: list[torch.Tensor], total: torch.Tensor) -> list[torch.Tensor]:
-        if opaque and len(ts) > 0:
-            _opaque.foreach_div_(ts, total)  # as below, as one operator (phases.opaque_update)
-        elif owned and not torch.compiler.is_compiling():
+        if opaque:
+            return ts  # the total is divided out by the optimizer's kernel (below)
+        if owned and not torch.compiler.is_compiling():
             # In place saves an allocation in eager mode. In a graph it would make the
             # graph write the quotients back into its input, the window: a copy of every
             # gradient that the next window's zeroing throws away.
@@ -530,6 +529,11 @@ def _close(
         return ts
 
     mean = acc.mean(g, divide)
+    if opaque:
+        # The sums carry the window's total weight, as a loss scale: the opaque
+        # optimizer's one pass divides it out (phases.opaque_update).
+        total = mean.weight
+        mean = mean.replace(scale=total if mean.scale is None else mean.scale * total)
     new, metrics = apply_update(step, state, skip_empty_window(mean))
     fresh = None
     if reset:

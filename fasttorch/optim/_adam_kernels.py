@@ -31,6 +31,7 @@ __all__ = [
     "fused_kernel",
     "fused_update",
     "graph_update",
+    "opaque_update",
     "update",
 ]
 
@@ -65,15 +66,19 @@ def update(
 ) -> Updated:
     """One Adam(W) step over the lists ``p``, ``g``, ``m``, ``v`` by the kernel that fits.
 
-    ``lr``: the learning lr, 0-d. ``inplace``:
-    the caller may overwrite the parameter, moment, gradient and count tensors (a
-    donated state). Eagerly in place the count is the state's own tensor too (no
-    allocation at the peak). In a graph in place only as one opaque operator (a
-    donated CPU step with ``opaque``); otherwise out of place there. The choice, in
-    order: the opaque operator; in a CPU graph, :func:`graph_update`; eagerly in place
-    on a device with torch's fused kernel, :func:`fused`; else :func:`foreach` (on
-    copies when out of place: the same kernels as in place, so the same bits).
+    ``lr``: the learning rate, 0-d. ``inplace``: the caller may overwrite the
+    parameter, moment, gradient and count tensors (a donated state). Eagerly in place
+    the count is the state's own tensor too (no allocation at the peak). The choice, in
+    order: with ``opaque`` on a CPU, torch's fused CPU kernel (:func:`opaque_update`:
+    eagerly, or traced as the operator ``fasttorch::adam_fused_``; on copies where not
+    in place); in a CPU graph, :func:`graph_update`; eagerly in place on a device with
+    torch's fused kernel, :func:`fused`; else :func:`foreach` (on copies when out of
+    place: the same kernels as in place, so the same bits).
     """
+    if opaque:
+        done = opaque_update((p, g, m, v), lr, count, h, decoupled=decoupled, inplace=inplace)
+        if done is not None:
+            return done
     op = inplace and opaque and in_cpu_graph(p)
     inplace = inplace and (op or not torch.compiler.is_compiling())
     count = count.add_(1) if inplace else count + 1
@@ -97,10 +102,55 @@ def update(
     return Updated(p, m, v, count)
 
 
-def fused_kernel(lists: Sequence[list[Tensor]], *, decoupled: bool) -> Callable[..., Any] | None:
+def opaque_update(
+    lists: Sequence[list[Tensor]],
+    lr: Tensor,
+    count: Tensor,
+    h: dict[str, Tensor],
+    *,
+    decoupled: bool,
+    inplace: bool,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> Updated | None:
+    """An opaque Adam(W)'s step on a CPU in place on a donated state (``inplace``):
+    torch's fused CPU kernel, one pass over each tensor; ``None`` where it does not
+    apply (out of place, not on a CPU, under ``vmap``, a dtype or layout the kernel
+    does not take: the caller's other kernels then run, with the ``_foreach`` bits).
+
+    Eagerly it is :func:`fused`; traced into a graph, the operator
+    ``fasttorch::adam_fused_``, whose body is the same call, so a compiled step and an
+    eager one give the same bits, those of ``torch.optim.AdamW(fused=True)`` given the
+    same float32 values. ``grad_scale``: a factor the gradients still carry, which the
+    kernel divides out (a loss scale, a window's total weight, a clip's coefficient
+    folded in); ``found_inf`` (a bool 0-d tensor): where true, nothing changes and the
+    count does not advance.
+    """
+    p = lists[0]
+    if not inplace or len(p) == 0 or p[0].device.type != "cpu":
+        return None
+    kernel = fused_kernel(lists, decoupled=decoupled, cpu=True)
+    if kernel is None:
+        return None
+    with torch.no_grad():
+        count = count.add_(1 if found_inf is None else found_inf.logical_not())
+        if torch.compiler.is_compiling():
+            hyper = [h[k] for k in ("beta1", "beta2", "eps", "weight_decay")]
+            flag = None if found_inf is None else found_inf.to(torch.float32)
+            torch.ops.fasttorch.adam_fused_(*lists, lr, count, *hyper, decoupled, grad_scale, flag)
+        else:
+            flag = None if found_inf is None else _base.float_flag(found_inf)
+            fused(kernel, lists, lr, count, h, grad_scale, flag)
+    return Updated(lists[0], None, None, count)
+
+
+def fused_kernel(
+    lists: Sequence[list[Tensor]], *, decoupled: bool, cpu: bool = False
+) -> Callable[..., Any] | None:
     """torch's fused Adam (AdamW with ``decoupled``) kernel where it can update ``lists``
-    (params, grads, m, v) in this call, else ``None`` (:func:`_base.kernel`)."""
-    return _base.kernel("adamw" if decoupled else "adam", lists)
+    (params, grads, m, v) in this call, else ``None`` (:func:`_base.kernel`; ``cpu``:
+    an opaque optimizer's, on the CPU too)."""
+    return _base.kernel("adamw" if decoupled else "adam", lists, cpu=cpu)
 
 
 def fused_update(
@@ -111,17 +161,36 @@ def fused_update(
     *,
     decoupled: bool,
     grad_scale: Tensor | None,
-    found_inf: Tensor,
+    found_inf: Tensor | None,
+    opaque: bool = False,
 ) -> Tensor | None:
     """torch's fused kernel over ``lists`` in place, skipped where ``found_inf``: the new
     count (advanced in place unless ``found_inf``), or ``None`` (nothing done) where the
-    kernel does not apply. ``grad_scale``: the loss scale the gradients still carry."""
+    kernel does not apply. ``grad_scale``: the factor the gradients still carry.
+    ``opaque``: an opaque optimizer's, on a CPU too (:func:`opaque_update`)."""
+    if opaque:
+        done = opaque_update(
+            lists,
+            lr,
+            count,
+            h,
+            decoupled=decoupled,
+            inplace=True,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )
+        if done is not None:
+            return done.new_count
     kernel = fused_kernel(lists, decoupled=decoupled)
     if kernel is None:
         return None
     with torch.no_grad():
-        count = count.add_(found_inf.logical_not())
-        fused(kernel, lists, lr, count, h, grad_scale, _base.float_flag(found_inf))
+        if found_inf is None:
+            count = count.add_(1)
+            fused(kernel, lists, lr, count, h, grad_scale, None)
+        else:
+            count = count.add_(found_inf.logical_not())
+            fused(kernel, lists, lr, count, h, grad_scale, _base.float_flag(found_inf))
     return count
 
 
@@ -336,6 +405,52 @@ _adam_op = torch.library.custom_op(
 
 @_adam_op.register_fake
 def _adam_fake(*args: Any) -> None:
+    """Nothing to compute: the operator writes into its arguments and returns nothing."""
+
+
+def _adam_fused_impl(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    lr: Tensor,
+    count: Tensor,
+    beta1: Tensor,
+    beta2: Tensor,
+    eps: Tensor,
+    weight_decay: Tensor,
+    decoupled: bool,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+) -> None:
+    """:func:`fused` in place, torch's fused CPU kernel: what an opaque optimizer's eager
+    step runs (:func:`opaque_update`), so the same bits."""
+    # The tensors' layouts were checked where the step was traced (fused_kernel).
+    kernel = _compat.fused_optimizer_kernel("adamw" if decoupled else "adam")
+    assert kernel is not None
+    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    h = {"beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
+    fused(kernel, lists, lr, count, h, grad_scale, found_inf)
+
+
+# The opaque optimizer's update in a compiled CPU step: torch's fused CPU kernel as one
+# operator, one pass over each tensor, with no code generated per parameter tensor.
+# Defined through torch.library.Library (public API) with a CPU kernel only, not
+# custom_op, whose Python autograd and in-place layers cost 175 us a call over M1's 76
+# tensors (426 us against 250; 2026-11-29): the operator never meets autograd (it runs
+# under no_grad on a donated state).
+_LIB = torch.library.Library("fasttorch", "FRAGMENT")
+_LIB.define(
+    "adam_fused_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, "
+    "Tensor(d!)[] exp_avg_sqs, Tensor lr, Tensor count, Tensor beta1, Tensor beta2, "
+    "Tensor eps, Tensor weight_decay, bool decoupled, Tensor? grad_scale, "
+    "Tensor? found_inf) -> ()"
+)
+_LIB.impl("adam_fused_", _adam_fused_impl, "CPU")
+
+
+@torch.library.register_fake("fasttorch::adam_fused_", lib=_LIB)
+def _adam_fused_fake(*args: Any) -> None:
     """Nothing to compute: the operator writes into its arguments and returns nothing."""
 
 

@@ -484,20 +484,31 @@ differently. The tests run the fused path on CPU by adding "cpu" here."""
 _DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
-def kernel(name: str, lists: Sequence[Sequence[Tensor]]) -> Callable[..., Any] | None:
+def kernel(
+    name: str, lists: Sequence[Sequence[Tensor]], *, cpu: bool = False
+) -> Callable[..., Any] | None:
     """torch's fused kernel ``name`` when it can update ``lists`` (params first), else None.
 
-    It can in an eager call (not traced), on a device in :data:`FUSED_DEVICES`, for
-    float dtypes, when every group of one dtype meets the kernel's layout rule
-    (CUDA's multi-tensor rule: one device, dense tensors, the same shape and strides
-    across the lists); and only where this torch has the kernel.
+    It can in an eager call (not traced), on a device in :data:`FUSED_DEVICES` (and on
+    the CPU with ``cpu``: an opaque optimizer's kernel, in an eager call or, traced,
+    inside the operator that runs it), for float dtypes, when every group of one dtype
+    meets the kernel's layout rule (CUDA's multi-tensor rule: one device, dense
+    tensors, the same shape and strides across the lists); and only where this torch
+    has the kernel.
     """
-    if torch.compiler.is_compiling() or not lists or not lists[0]:
-        return None
-    if _compat.in_functorch_transform():  # vmap: the kernel's host hyperparameters
+    if not lists or not lists[0]:
         return None
     first = lists[0][0]
-    if first.device.type not in FUSED_DEVICES:
+    on_cpu = cpu and first.device.type == "cpu"
+    if torch.compiler.is_compiling():
+        # Traced, only as an opaque optimizer's operator, which runs in a donated step:
+        # never a vmapped one (whose members do not donate), which dynamo's tracing
+        # would not tell apart from a plain graph.
+        if not on_cpu:
+            return None
+    elif _compat.in_functorch_transform():  # vmap: the kernel's host hyperparameters
+        return None
+    if first.device.type not in FUSED_DEVICES and not on_cpu:
         return None
     fused = _compat.fused_optimizer_kernel(name)
     if fused is None:
@@ -523,6 +534,10 @@ def factor_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def by_dtype(lists: Sequence[Sequence[Tensor]]) -> Iterator[list[list[Tensor]]]:
     """``lists`` split by the dtype of the first list's tensors (one kernel per dtype)."""
+    dtype = lists[0][0].dtype if len(lists[0]) > 0 else None
+    if all(t.dtype == dtype for t in lists[0]):  # one dtype: the lists as they are
+        yield [list(ts) for ts in lists]
+        return
     order: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(lists[0]):
         order.setdefault(t.dtype, []).append(i)

@@ -98,7 +98,10 @@ def fused_lists(
     p: list[Tensor], g: list[Tensor], bufs: list[Tensor] | None, hyper: dict[str, Tensor]
 ) -> list[list[Tensor]] | None:
     """(params, grads[, buffers]) for the fused kernel, or None where it does not
-    compute this algorithm (momentum with dampening other than 0)."""
+    compute this algorithm (momentum with dampening other than 0), or in a graph,
+    where it never runs (the dampening is read on the host)."""
+    if torch.compiler.is_compiling():
+        return None
     if bufs is None:
         return [p, g]
     # Not for half dtypes: torch's CPU kernel (2.13) gives wrong buffers for a
@@ -124,7 +127,7 @@ def fused_update(
     *,
     nesterov: bool,
     grad_scale: Tensor | None,
-    found_inf: Tensor,
+    found_inf: Tensor | None,
 ) -> bool:
     """torch's fused kernel in place, skipped where ``found_inf``; whether it ran
     (``False``: nothing done, the kernel does not apply). ``grad_scale``: the loss
@@ -141,7 +144,7 @@ def fused_update(
             hyper,
             nesterov=nesterov,
             grad_scale=grad_scale,
-            found_inf=_base.float_flag(found_inf),
+            found_inf=None if found_inf is None else _base.float_flag(found_inf),
         )
     return True
 

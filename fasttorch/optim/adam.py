@@ -188,15 +188,17 @@ class Adam:
         step: Tensor,
         *,
         grad_scale: Tensor | None,
-        found_inf: Tensor,
+        found_inf: Tensor | None,
     ) -> tuple[dict[str, Tensor], OptState] | None:
         """``update(..., inplace=True)`` through torch's fused kernel, skipped where
         ``found_inf``; ``None`` (nothing done) where the kernel does not apply.
 
-        As ``GradScaler.step`` with a fused optimizer: ``grads`` still carry the loss
-        scale ``grad_scale`` (or none), which the kernel divides out, and when
-        ``found_inf`` (a bool 0-d tensor) is true the kernel leaves parameters and
-        moments as they are; the count does not advance.
+        As ``GradScaler.step`` with a fused optimizer: ``grads`` still carry the factor
+        ``grad_scale`` (or none: a loss scale, a window's total weight, a clip's
+        coefficient), which the kernel divides out, and when ``found_inf`` (a bool 0-d
+        tensor, or none) is true the kernel leaves parameters and moments as they are;
+        the count does not advance. With ``opaque=True`` on a CPU the kernel is torch's
+        fused CPU kernel, in a compiled step as the operator ``fasttorch::adam_fused_``.
         """
         names = list(params)
         lists = self._lists(names, params, grads, opt_state)
@@ -208,6 +210,7 @@ class Adam:
             decoupled=self.decoupled_weight_decay,
             grad_scale=grad_scale,
             found_inf=found_inf,
+            opaque=self.opaque,
         )
         if count is None:
             return None
@@ -218,7 +221,10 @@ class Adam:
     ) -> bool:
         """Whether :meth:`fused_update` would run torch's fused kernel on these tensors."""
         lists = self._lists(list(params), params, grads, opt_state)
-        return _adam_kernels.fused_kernel(lists, decoupled=self.decoupled_weight_decay) is not None
+        kernel = _adam_kernels.fused_kernel(
+            lists, decoupled=self.decoupled_weight_decay, cpu=self.opaque
+        )
+        return kernel is not None
 
     @staticmethod
     def _lists(

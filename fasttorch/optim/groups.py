@@ -256,7 +256,7 @@ class Groups:
         step: Tensor,
         *,
         grad_scale: Tensor | None,
-        found_inf: Tensor,
+        found_inf: Tensor | None,
     ) -> tuple[dict[str, Tensor], OptState] | None:
         """Each group's ``fused_update`` (torch's fused kernel, loss scale and skip flag
         inside), when every group's optimizer can take it; else ``None``, nothing done."""
@@ -278,7 +278,7 @@ class Groups:
                 sub_params, sub_grads, sub, step, grad_scale=grad_scale, found_inf=found_inf
             )
             assert done is not None  # can_fuse said so
-        count = opt_state.count.add_(found_inf.logical_not())
+        count = opt_state.count.add_(1 if found_inf is None else found_inf.logical_not())
         return dict(params), opt_state.replace(count=count)
 
 

@@ -176,7 +176,7 @@ class SGD:
         step: Tensor,
         *,
         grad_scale: Tensor | None,
-        found_inf: Tensor,
+        found_inf: Tensor | None,
     ) -> tuple[dict[str, Tensor], OptState] | None:
         """``update(..., inplace=True)`` through torch's fused kernel, skipped where
         ``found_inf``; ``None`` (nothing done) where the kernel does not apply.
@@ -201,7 +201,7 @@ class SGD:
             )
         if not ran:
             return None
-        count = opt_state.count + found_inf.logical_not()
+        count = opt_state.count + (1 if found_inf is None else found_inf.logical_not())
         return dict(zip(names, p)), opt_state.replace(count=count)
 
     def can_fuse(

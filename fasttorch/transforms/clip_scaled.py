@@ -10,9 +10,9 @@ from fasttorch import _checks
 from fasttorch.phases import (
     GradOut,
     Metrics,
+    clipped,
     no_state_read_after_inner,
     reciprocal,
-    scaled_grads,
     unscaled_norm,
 )
 from fasttorch.state import TrainState
@@ -75,9 +75,8 @@ def clip_scaled(step: Step, max_norm: float) -> Step:
         inv = None if g.scale is None else reciprocal(g.scale)
         norm = unscaled_norm(g, inv=inv)  # the reciprocal computed once
         coef = torch.clamp(limit / (norm + 1e-6), max=1.0)
-        factor = coef if inv is None else coef * inv
-        grads = scaled_grads(g, factor)
-        del coef, factor, inv  # not held through the update, where memory peaks
-        return inner(state, g.replace(grads=grads, scale=None, norm=norm))
+        out = clipped(g, coef, norm=norm, inv=inv)
+        del coef, inv, g  # not held through the update, where memory peaks
+        return inner(state, out)
 
     return step.with_phases("clip_scaled", update=update)
