@@ -24,6 +24,8 @@ import functools
 import torch
 from torch import Tensor
 
+from fasttorch.optim._base import cpu_operator
+
 __all__ = ["foreach_mul_", "global_norm"]
 
 
@@ -37,25 +39,18 @@ def _mul_impl(tensors: list[Tensor], factor: Tensor) -> None:
     torch._foreach_mul_(tensors, factor)
 
 
-# Defined through torch.library.Library with CPU kernels only, not custom_op, whose
-# Python autograd and in-place layers cost tens of microseconds a call over many
-# tensors: the operators run under no_grad on gradients the update owns.
-_LIB = torch.library.Library("fasttorch", "FRAGMENT")
-_LIB.define("global_norm(Tensor[] tensors) -> Tensor")
-_LIB.impl("global_norm", _norm_impl, "CPU")
-_LIB.define("foreach_mul_(Tensor(a!)[] tensors, Tensor factor) -> ()")
-_LIB.impl("foreach_mul_", _mul_impl, "CPU")
-
-
-@torch.library.register_fake("fasttorch::global_norm", lib=_LIB)
 def _norm_fake(tensors: list[Tensor]) -> Tensor:
     dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
     return tensors[0].new_empty((), dtype=dtype)
 
 
-@torch.library.register_fake("fasttorch::foreach_mul_", lib=_LIB)
 def _mul_fake(tensors: list[Tensor], factor: Tensor) -> None:
     """Nothing to compute: the operator writes into its arguments and returns nothing."""
+
+
+# CPU kernels only (optim._base.cpu_operator says why not custom_op).
+cpu_operator("global_norm(Tensor[] tensors) -> Tensor", _norm_impl, _norm_fake)
+cpu_operator("foreach_mul_(Tensor(a!)[] tensors, Tensor factor) -> ()", _mul_impl, _mul_fake)
 
 
 def global_norm(tensors: list[Tensor]) -> Tensor:

@@ -433,25 +433,20 @@ def _adam_fused_impl(
     fused(kernel, lists, lr, count, h, grad_scale, found_inf)
 
 
+def _adam_fused_fake(*args: Any) -> None:
+    """Nothing to compute: the operator writes into its arguments and returns nothing."""
+
+
 # The opaque optimizer's update in a compiled CPU step: torch's fused CPU kernel as one
 # operator, one pass over each tensor, with no code generated per parameter tensor.
-# Defined through torch.library.Library (public API) with a CPU kernel only, not
-# custom_op, whose Python autograd and in-place layers cost 175 us a call over M1's 76
-# tensors (426 us against 250; 2026-11-29): the operator never meets autograd (it runs
-# under no_grad on a donated state).
-_LIB = torch.library.Library("fasttorch", "FRAGMENT")
-_LIB.define(
+_base.cpu_operator(
     "adam_fused_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] exp_avgs, "
     "Tensor(d!)[] exp_avg_sqs, Tensor lr, Tensor count, Tensor beta1, Tensor beta2, "
     "Tensor eps, Tensor weight_decay, bool decoupled, Tensor? grad_scale, "
-    "Tensor? found_inf) -> ()"
+    "Tensor? found_inf) -> ()",
+    _adam_fused_impl,
+    _adam_fused_fake,
 )
-_LIB.impl("adam_fused_", _adam_fused_impl, "CPU")
-
-
-@torch.library.register_fake("fasttorch::adam_fused_", lib=_LIB)
-def _adam_fused_fake(*args: Any) -> None:
-    """Nothing to compute: the operator writes into its arguments and returns nothing."""
 
 
 @functools.lru_cache(maxsize=64)
