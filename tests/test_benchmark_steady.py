@@ -13,38 +13,53 @@ import sys
 from benchmarks import steady_step
 
 
-def _result(layers, per_round, model="gpt"):
-    """A row of ``per_round`` times, in ``KINDS``' order (4 of them: a row from before
-    the Python-wrapper option)."""
-    kinds = steady_step.KINDS[: len(per_round[0])]
+LEGACY = ("step", "opaque", "regional", "regional_opaque")
+"""The kinds of rows from before the opaque update was the default."""
+
+
+def _result(layers, per_round, model="gpt", kinds=steady_step.KINDS):
+    """A row of ``per_round`` times, in ``kinds``' order (fewer: a row from before the
+    last options)."""
+    kinds = kinds[: len(per_round[0])]
     rounds = [dict(zip(kinds, r, strict=True)) for r in per_round]
     compile_s = dict.fromkeys(kinds, 2.0)
     return {"model": model, "layers": layers, "compile": compile_s, "rounds": rounds}
 
 
 def test_the_table_gives_medians_over_rounds_and_per_round_speed_ups():
-    # Three rounds: the whole step 0.10, 0.20, 0.10 s; opaque 0.15, 0.20, 0.12 s.
+    # Three rounds: the whole step 0.10, 0.20, 0.10 s; opaque=False 0.15, 0.20, 0.12 s.
     res = _result(4, [(0.10, 0.15, 0.05, 0.1), (0.20, 0.20, 0.1, 0.2), (0.10, 0.12, 0.05, 0.1)])
     text = steady_step.table([res])
-    # opaque: ms 150, 200, 120 -> median 150; speed-ups 0.10/0.15, 1, 0.10/0.12 -> 0.83.
-    opaque = (
-        "| `fasttorch.compiled`, `adamw(..., opaque=True)` | GPT, 4 layers | 150.0 | "
+    # opaque=False: ms 150, 200, 120 -> median 150; speed-ups 0.10/0.15, 1, 0.10/0.12 -> 0.83.
+    before = (
+        "| `fasttorch.compiled`, `adamw(..., opaque=False)` | GPT, 4 layers | 150.0 | "
         "0.83 [0.67-1.00] |"
     )
-    assert opaque in text
+    assert before in text
     assert "| `fasttorch.compiled` | GPT, 4 layers | 100.0 | 1.00 [1.00-1.00] | 2.0 |" in text
     # regions: half the whole step's time in every round.
     regions = "| `fasttorch.compiled(..., regions=True)` | GPT, 4 layers | 50.0 | 2.00 [2.00-2.00]"
     assert regions in text
+    # The verdict: the default's speed over opaque=False's, 1.5, 1, 1.2 -> 1.2.
+    assert "| GPT, 4 layers | 1.20 [1.00-1.50] | >= 0.97 | met |" in text
 
 
-def test_the_python_wrapper_row_splits_the_regions_cost_and_older_rows_lack_it():
-    new = _result(4, [(0.10, 0.1, 0.125, 0.1, 0.11)] * 3)
-    text = steady_step.table([new, _result(6, [(0.1,) * 4] * 3)])
+def test_the_verdict_is_not_met_below_the_target():
+    res = _result(4, [(0.10, 0.096, 0.1, 0.1)] * 3)
+    assert "| GPT, 4 layers | 0.96 [0.96-0.96] | >= 0.97 | not met |" in steady_step.table([res])
+
+
+def test_the_python_wrapper_row_splits_the_regions_cost_and_older_rows_keep_their_options():
+    new = _result(4, [(0.10, 0.1, 0.125, 0.11)] * 3)
+    old = _result(6, [(0.1, 0.2, 0.1, 0.1)] * 3, kinds=LEGACY)
+    text = steady_step.table([new, old])
     wrapper = "inductor's Python wrapper (`cpp_wrapper=False`) | GPT, 4 layers | 110.0 | 0.91"
     assert wrapper in text
     assert "Python wrapper (`cpp_wrapper=False`) | GPT, 6 layers" not in text
     assert text.count("| GPT, 6 layers |") == 4
+    older = "| `fasttorch.compiled`, `adamw(..., opaque=True)` (older: `_foreach` operator) |"
+    assert f"{older} GPT, 6 layers | 200.0 | 0.50 [0.50-0.50] |" in text
+    assert "| GPT, 6 layers | " not in text.split("| measured | target | verdict |")[1]
 
 
 def test_the_command_writes_the_page_for_every_depth_asked(tmp_path, monkeypatch):
@@ -64,7 +79,7 @@ def test_the_command_writes_the_page_for_every_depth_asked(tmp_path, monkeypatch
     assert "do not edit by hand" in text
     command = "python -m benchmarks.steady_step --layers 3,5 --mlp 7 --rounds 2 --block 4"
     assert f"- command: `{command}`" in text
-    assert "| `fasttorch.compiled(..., regions=True)`, `opaque=True` | GPT, 5 layers |" in text
+    assert "| `fasttorch.compiled(..., regions=True)` | GPT, 5 layers |" in text
     assert "| `fasttorch.compiled` | MLP (M1), 7 blocks |" in text
     assert "Smoke run" not in text
     # Each row keeps its run's command, for a page rewritten from several runs.
@@ -136,8 +151,8 @@ def test_a_page_rewritten_from_a_runs_results_says_so_and_keeps_its_threads(tmp_
     text = out.read_text()
     assert "torch threads: 7;" in text and "this page rewritten from its rows" in text
     assert "load average" not in text and "wall time" not in text
-    opaque = (
-        "| `fasttorch.compiled`, `adamw(..., opaque=True)` | GPT, 2 layers | 200.0 | "
+    before = (
+        "| `fasttorch.compiled`, `adamw(..., opaque=False)` | GPT, 2 layers | 200.0 | "
         "0.50 [0.50-0.50] |"
     )
-    assert opaque in text
+    assert before in text

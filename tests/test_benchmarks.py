@@ -456,15 +456,16 @@ def test_compile_time_smoke_run_writes_the_document(tmp_path):
     # Each kind once; the depth ratios of the whole step and the model (a smoke run
     # measures the options at the larger depth only).
     assert sorted((r["kind"], r["layers"]) for r in rows) == [
+        ("inductor_update", 2),
         ("model", 1),
         ("model", 2),
-        ("opaque", 2),
         ("regional", 2),
-        ("regional_opaque", 2),
         ("step", 1),
         ("step", 2),
     ]
     assert all(r["first"] > 0 and r["dynamo"] > 0 for r in rows)
+    # The step's process compiles an evaluation after it.
+    assert all(r["eval_first"] > 0 for r in rows if r["kind"] == "step")
     text = out.read_text()
     assert "do not edit by hand" in text and "Smoke run" in text
     assert "cold compile, whole step / `torch.compile(model)`" in text

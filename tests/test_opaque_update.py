@@ -159,7 +159,7 @@ def test_the_windows_mean_and_the_clip_fold_into_the_kernels_factor():
     assert ours == {"fasttorch.global_norm.default": 1, "fasttorch.adam_fused_.default": 1}
     assert opaque["aten.linalg_vector_norm.default"] == 0
     assert opaque["aten._foreach_div.Tensor"] == opaque["aten._foreach_mul.Tensor"] == 0
-    plain = _aten_ops(optim.adamw(LR))
+    plain = _aten_ops(optim.adamw(LR, opaque=False))
     assert not any(name.startswith("fasttorch.") for name in plain)
     tensors = len(LayerNormNet().state_dict())
     assert plain["aten.linalg_vector_norm.default"] == tensors + 1  # and the norm of norms
@@ -204,8 +204,9 @@ def test_groups_pass_in_place_to_the_opaque_optimizer_only():
     """An opaque AdamW beside SGD in groups: compiled equals eager bit for bit."""
     torch.manual_seed(0)
     model, data = LayerNormNet(), batches(4, 16)
-    opt = optim.groups(optim.sgd(LR, momentum=0.9), [("*.weight", optim.adamw(LR, opaque=True))])
-    assert opt.in_place_in_graph and not optim.groups(optim.sgd(LR), []).in_place_in_graph
+    sgd = optim.sgd(LR, momentum=0.9, opaque=False)
+    opt = optim.groups(sgd, [("*.weight", optim.adamw(LR, opaque=True))])
+    assert opt.in_place_in_graph and not optim.groups(sgd, []).in_place_in_graph
     backend = Graphs()
     eager = _train(model, opt, fasttorch.step(mse), data)
     fast = _train(model, opt, fasttorch.compiled(fasttorch.step(mse), backend=backend), data)
@@ -217,7 +218,8 @@ def test_groups_pass_in_place_to_the_opaque_optimizer_only():
 def test_opaque_must_be_a_bool():
     with pytest.raises(TypeError, match="opaque must be a bool"):
         optim.adamw(LR, opaque="yes")  # type: ignore[arg-type]
-    assert optim.adamw(LR, opaque=True) != optim.adamw(LR)  # part of the configuration
+    assert optim.adamw(LR, opaque=False) != optim.adamw(LR)  # part of the configuration
+    assert optim.adamw(LR).opaque and optim.sgd(LR).opaque  # the default
 
 
 @pytest.mark.slow

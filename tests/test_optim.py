@@ -614,8 +614,7 @@ def _run_twins(
     same start; params and slots compared bit for bit after every step. Returns the
     native params."""
     factory, cls, kw = TWINS[name]
-    opaque = {"opaque": True} if mode == "opaque" else {}
-    opt = factory(lr, **kw, **opaque)
+    opt = factory(lr, **kw, opaque=mode == "opaque")
     gen = torch.Generator().manual_seed(4)
     start = {n: torch.randn(s, generator=gen) for n, s in TWIN_SHAPES.items()}
     ref = {n: nn.Parameter(t.clone()) for n, t in start.items()}
@@ -641,14 +640,13 @@ def _run_twins(
     return params
 
 
-# Every path of every optimizer: the opaque operator is Adam's only, torch's fused CPU
+# Every path of every optimizer: "opaque" is the opaque operator, torch's fused CPU
 # kernel; "fused" runs the donated eager GPU step's kernel (FUSED_DEVICES with "cpu"
 # added); the twin of both is torch's fused=True.
 PATHS = [
     (name, mode)
     for name in sorted(TWINS)
     for mode in ("eager", "inplace", "compiled", "opaque", "fused")
-    if mode != "opaque" or name.startswith("adam")
 ]
 
 
@@ -706,7 +704,7 @@ def test_every_adam_kernel_computes_the_readable_algorithm_s_bits(
     step's, is torch's fused form, with its own roundings: its twin is torch's
     fused=True (above)."""
     factory, _, kw = TWINS[name]
-    opt = factory(lr, **kw, **({"opaque": True} if mode == "unfused" else {}))
+    opt = factory(lr, **kw, opaque=mode == "unfused")
     gen = torch.Generator().manual_seed(4)
     params = {n: torch.randn(s, generator=gen) for n, s in TWIN_SHAPES.items()}
     state = opt.init(params)
@@ -743,7 +741,9 @@ def test_every_adam_kernel_computes_the_readable_algorithm_s_bits(
             _assert_equal(state.slots["exp_avg_sq"][n], v_ref[n], f"{name} {mode} v {k} {n}")
 
 
-SGD_ALGORITHM_PATHS = [(n, m) for n, m in PATHS if n.startswith("sgd") and m != "fused"]
+SGD_ALGORITHM_PATHS = [
+    (n, m) for n, m in PATHS if n.startswith("sgd") and m not in ("fused", "opaque")
+]
 
 
 @pytest.mark.parametrize(("name", "mode"), SGD_ALGORITHM_PATHS)
@@ -752,7 +752,7 @@ def test_every_sgd_kernel_computes_the_readable_algorithm_s_bits(name: str, mode
     _sgd_kernels.update chooses for it, on copies, in place or in a CPU graph, gives its
     bits step for step (EXACT: the same operations on the same values)."""
     factory, _, kw = TWINS[name]
-    opt = factory(0.05, **kw)
+    opt = factory(0.05, **kw, opaque=False)
     gen = torch.Generator().manual_seed(4)
     params = {n: torch.randn(s, generator=gen) for n, s in TWIN_SHAPES.items()}
     state = opt.init(params)

@@ -248,6 +248,12 @@ def _with_cacheable_autocast(options: dict[str, Any]) -> dict[str, Any]:
     return {**options, "options": inner}
 
 
+# Backends every supported torch registers, so that naming one costs no listing of them
+# all (torch._dynamo.list_backends imports each backend's module: 1.7 s on 2 cores,
+# 2026-11-29, paid by every compiled() call before its step ever ran).
+_BUILT_IN_BACKENDS = frozenset({"inductor", "eager", "aot_eager"})
+
+
 def check_arguments(mode: object, backend: object, fullgraph: object, dynamic: object) -> None:
     """Raise now for a mode or backend torch.compile does not know: its first call would.
 
@@ -263,9 +269,9 @@ def check_arguments(mode: object, backend: object, fullgraph: object, dynamic: o
                 f"compiled: unknown mode={mode!r}; torch.compile's modes are "
                 f"{', '.join(map(repr, modes))} (or None)"
             )
-    if callable(backend):
+    if callable(backend) or backend in _BUILT_IN_BACKENDS:
         return
-    backends = _compat.compile_backends()
+    backends = _compat.compile_backends()  # imports every backend module: 1.7 s
     if backend not in backends:
         raise ValueError(
             f"compiled: unknown backend={backend!r}; torch.compile knows "

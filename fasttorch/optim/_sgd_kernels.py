@@ -18,7 +18,15 @@ from torch import Tensor
 from fasttorch import _compat
 from fasttorch.optim import _base
 
-__all__ = ["foreach", "fused", "fused_kernel", "fused_lists", "fused_update", "update"]
+__all__ = [
+    "foreach",
+    "fused",
+    "fused_kernel",
+    "fused_lists",
+    "fused_update",
+    "opaque_update",
+    "update",
+]
 
 _foreach_mul = torch._foreach_mul
 
@@ -33,6 +41,7 @@ def update(
     *,
     nesterov: bool,
     inplace: bool,
+    opaque: bool = False,
 ) -> tuple[list[Tensor], list[Tensor] | None]:
     """One SGD step over the lists ``p``, ``g`` (and the momentum buffers ``bufs``, or
     ``None`` without momentum) by the kernel that fits: the new parameters and buffers
@@ -40,8 +49,11 @@ def update(
 
     ``count``: the step count before this update (0 on the first). ``inplace``: the
     caller may overwrite the parameter, buffer and gradient tensors (a donated state);
-    out of place the same kernels run on copies, so the same bits.
+    out of place the same kernels run on copies, so the same bits. ``opaque``: in place
+    on a CPU, torch's fused CPU kernel (:func:`opaque_update`).
     """
+    if opaque and inplace and opaque_update(p, g, bufs, lr, count, hyper, nesterov=nesterov):
+        return p, None
     lists = fused_lists(p, g, bufs, hyper) if inplace else None
     kernel = None if lists is None else fused_kernel(lists)
     if kernel is not None and lists is not None:
@@ -113,9 +125,115 @@ def fused_lists(
     return [p, g, bufs]
 
 
-def fused_kernel(lists: Sequence[list[Tensor]]) -> Callable[..., Any] | None:
-    """torch's fused SGD kernel where it can update ``lists`` in this call, else None."""
-    return _base.kernel("sgd", lists)
+def fused_kernel(lists: Sequence[list[Tensor]], *, cpu: bool = False) -> Callable[..., Any] | None:
+    """torch's fused SGD kernel where it can update ``lists`` in this call, else None
+    (``cpu``: an opaque optimizer's, on the CPU too)."""
+    return _base.kernel("sgd", lists, cpu=cpu)
+
+
+def opaque_update(
+    p: list[Tensor],
+    g: list[Tensor],
+    bufs: list[Tensor] | None,
+    lr: Tensor,
+    count: Tensor,
+    hyper: dict[str, Tensor],
+    *,
+    nesterov: bool,
+    grad_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
+) -> bool:
+    """An opaque SGD's step on a CPU, in place on a donated state: torch's fused CPU
+    kernel, one pass over each tensor; whether it ran (``False``: not on a CPU, under
+    ``vmap``, a dtype or layout it does not take; the caller's other kernels run).
+
+    Eagerly :func:`fused` (with the dampening read to the host: where it is not 0 the
+    ``_foreach`` form runs instead, :func:`fused_lists`); traced into a graph, the
+    operator ``fasttorch::sgd_fused_``, whose body makes the same choice at run time, so
+    a compiled step and an eager one give the same bits, ``torch.optim.SGD(fused=True)``'s
+    given the same float32 values. ``grad_scale``, ``found_inf``: as
+    ``GradScaler.step`` gives them to the fused kernel.
+    """
+    if len(p) == 0 or p[0].device.type != "cpu":
+        return False
+    lists = [p, g] if bufs is None else [p, g, bufs]
+    # Not for half dtypes with momentum: torch's CPU kernel (2.13) gives wrong buffers
+    # for a bfloat16 step that is not the first.
+    if bufs is not None and p[0].dtype not in (torch.float32, torch.float64):
+        return False
+    if fused_kernel(lists, cpu=True) is None:
+        return False
+    if torch.compiler.is_compiling():
+        zero = [] if bufs is None else bufs
+        h = [hyper.get(k, hyper["weight_decay"]) for k in ("weight_decay", "momentum", "dampening")]
+        torch.ops.fasttorch.sgd_fused_(
+            p,
+            g,
+            zero,
+            lr,
+            count,
+            *h,
+            bufs is not None,
+            nesterov,
+            grad_scale,
+            None if found_inf is None else found_inf.to(torch.float32),
+        )
+        return True
+    if fused_lists(p, g, bufs, hyper) is None:
+        return False
+    flag = None if found_inf is None else _base.float_flag(found_inf)
+    fused(_KERNEL, lists, lr, hyper, nesterov=nesterov, grad_scale=grad_scale, found_inf=flag)
+    return True
+
+
+def _sgd_fused_impl(
+    params: list[Tensor],
+    grads: list[Tensor],
+    bufs: list[Tensor],
+    lr: Tensor,
+    count: Tensor,
+    weight_decay: Tensor,
+    momentum: Tensor,
+    dampening: Tensor,
+    has_momentum: bool,
+    nesterov: bool,
+    grad_scale: Tensor | None,
+    found_inf: Tensor | None,
+) -> None:
+    """:func:`opaque_update`'s eager choice, at run time: torch's fused CPU kernel, or
+    the ``_foreach`` form in place where the dampening is not 0 (then the gradients
+    are unscaled first and a skip keeps the old values, as the kernel would)."""
+    hyper = {"weight_decay": weight_decay}
+    if has_momentum:
+        hyper.update(momentum=momentum, dampening=dampening)
+    b = bufs if has_momentum else None
+    lists = fused_lists(params, grads, b, hyper)
+    if lists is not None:
+        fused(
+            _KERNEL, lists, lr, hyper, nesterov=nesterov, grad_scale=grad_scale, found_inf=found_inf
+        )
+        return
+    if found_inf is not None and _base.host_float(found_inf) != 0.0:
+        return
+    if grad_scale is not None:
+        torch._foreach_div_(grads, grad_scale)
+    foreach(params, grads, b, lr, count, hyper, nesterov=nesterov)
+
+
+def _sgd_fused_fake(*args: Any) -> None:
+    """Nothing to compute: the operator writes into its arguments and returns nothing."""
+
+
+_KERNEL: Any = _compat.fused_optimizer_kernel("sgd")
+# The opaque SGD's update in a compiled CPU step: torch's fused CPU kernel as one
+# operator, with no code generated per parameter tensor.
+_base.cpu_operator(
+    "sgd_fused_(Tensor(a!)[] params, Tensor(b!)[] grads, Tensor(c!)[] bufs, Tensor lr, "
+    "Tensor count, Tensor weight_decay, Tensor momentum, Tensor dampening, "
+    "bool has_momentum, bool nesterov, Tensor? grad_scale, Tensor? found_inf) -> ()",
+    _sgd_fused_impl,
+    _sgd_fused_fake,
+)
 
 
 def fused_update(
@@ -128,10 +246,27 @@ def fused_update(
     nesterov: bool,
     grad_scale: Tensor | None,
     found_inf: Tensor | None,
+    count: Tensor | None = None,
+    opaque: bool = False,
 ) -> bool:
     """torch's fused kernel in place, skipped where ``found_inf``; whether it ran
-    (``False``: nothing done, the kernel does not apply). ``grad_scale``: the loss
-    scale the gradients still carry."""
+    (``False``: nothing done, the kernel does not apply). ``grad_scale``: the factor
+    the gradients still carry. ``opaque``: an opaque optimizer's, on a CPU too
+    (:func:`opaque_update`; ``count``: the step count before this update)."""
+    if opaque and count is not None:
+        done = opaque_update(
+            p,
+            g,
+            bufs,
+            lr,
+            count,
+            hyper,
+            nesterov=nesterov,
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )
+        if done:
+            return True
     lists = fused_lists(p, g, bufs, hyper) if len(p) > 0 else None
     kernel = None if lists is None else fused_kernel(lists)
     if kernel is None or lists is None:

@@ -95,7 +95,7 @@ class Adam:
     eps: float = 1e-8
     weight_decay: float = 0.0
     decoupled_weight_decay: bool = False
-    opaque: bool = attrs.field(default=False, kw_only=True)
+    opaque: bool = attrs.field(default=True, kw_only=True)
 
     @property
     def in_place_in_graph(self) -> bool:
@@ -151,14 +151,13 @@ class Adam:
     ) -> tuple[dict[str, Tensor], OptState]:
         """One Adam(W) step: new params (same keys, order) and state.
 
-        Out of place by default. ``inplace=True`` overwrites the parameter, moment and
-        gradient tensors instead and returns them (for a donated state in eager mode,
-        where fresh allocations cost more than the arithmetic); both run the same
-        kernels in the same order, so they give the same bits. In place on a GPU
-        (:data:`~fasttorch.optim._base.FUSED_DEVICES`) the update is torch's fused
-        kernel, ``torch.optim.AdamW(fused=True)``'s, one launch per dtype. With
-        ``opaque=True``, in place in a CPU graph (a donated compiled step) is one
-        operator, ``fasttorch::adam_``, that runs the eager in-place form.
+        Out of place by default, the ``_foreach`` form (``foreach=True,
+        capturable=True``'s bits). ``inplace=True`` overwrites the parameter, moment
+        and gradient tensors instead and returns them (a donated state): torch's fused
+        kernel, ``torch.optim.AdamW(fused=True)``'s, one launch per dtype, on a GPU
+        (:data:`~fasttorch.optim._base.FUSED_DEVICES`) and, with ``opaque`` (the
+        default), on a CPU, in a graph as the operator ``fasttorch::adam_fused_``;
+        otherwise the same ``_foreach`` kernels as out of place, so the same bits.
         """
         names = list(params)
         p, g, m, v = self._lists(names, params, grads, opt_state)
@@ -248,9 +247,11 @@ def adam(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
-    opaque: bool = False,
+    opaque: bool = True,
 ) -> Adam:
-    """Adam: bit for bit ``torch.optim.Adam(foreach=True, capturable=True)`` (amsgrad off).
+    """Adam: bit for bit ``torch.optim.Adam(fused=True)`` in a step that donates its
+    state (the default), ``torch.optim.Adam(foreach=True, capturable=True)`` otherwise
+    (amsgrad off).
 
     Per parameter, at update ``t = count + 1``::
 
@@ -262,43 +263,53 @@ def adam(
     Equivalent to::
 
         opt = torch.optim.Adam(params, lr=torch.tensor(lr), betas=betas, eps=eps,
-                               weight_decay=weight_decay, foreach=True, capturable=True)
+                               weight_decay=weight_decay, fused=True)
         loss.backward(); opt.step(); opt.zero_grad()
 
-    **Which torch it equals.** The update runs that configuration's operations in its
-    order (``_multi_tensor_adam`` with ``capturable=True``, the form with no host sync:
-    step count, bias corrections and lr stay float32 tensors on the device, and the
-    step is ``p + m / ((sqrt(v) / sqrt(1 - beta2**t) + eps) / (-lr / (1 - beta1**t)))``),
-    so on the same device and given the same values (the hyperparameters as the
-    state holds them, float32: ``float(torch.tensor(0.9))`` for 0.9; a schedule's rate
-    rounded to float32, as a tensor lr holds it) the two agree bit for bit, eagerly, in
-    place, compiled and with ``opaque=True`` (tests/test_optim.py). A donated eager step
-    on a GPU runs torch's fused kernel instead, and equals
-    ``torch.optim.Adam(fused=True)`` bit for bit. torch's default form (no
+    **Which torch it equals.** In a step that donates its state (``fasttorch.step``'s
+    default), eager or compiled, on a CPU or a GPU, the update is torch's fused kernel,
+    one pass over each tensor, and equals ``torch.optim.Adam(fused=True)`` bit for bit
+    given the same values (the hyperparameters as the state holds them, float32:
+    ``float(torch.tensor(0.9))`` for 0.9; a schedule's rate rounded to float32, as a
+    tensor lr holds it). In a compiled CPU step it is one operator
+    (``fasttorch::adam_fused_``, ``opaque``, the default) that the compiler does not
+    look into: its compile time does not grow with the model, and the window's mean and
+    the clip's coefficient are folded into the factor the kernel divides out, as
+    ``GradScaler.step`` hands a loss scale to a fused optimizer (docs/optimizers.md,
+    "Opaque update"). Out of place (``donate=False``, under ``vmapped``), in a compiled
+    GPU step, and everywhere with ``opaque=False`` on a CPU, the update runs the
+    operations of ``torch.optim.Adam(foreach=True, capturable=True)`` in its order
+    (``_multi_tensor_adam`` with ``capturable=True``, the form with no host sync: step
+    count, bias corrections and lr stay float32 tensors on the device, and the step is
+    ``p + m / ((sqrt(v) / sqrt(1 - beta2**t) + eps) / (-lr / (1 - beta1**t)))``) and
+    equals that bit for bit (tests/test_optim.py). The fused kernel's roundings differ
+    from those by at most a few float32 epsilons a step. torch's default form (no
     ``capturable``, no ``fused``) reads the step count to the host, computes the bias
     corrections in Python doubles and takes ``1 - beta`` from the double ``beta``: it
     differs by roundings. The float32 bias corrections (capturable's and the CUDA fused
     kernel's too) carry their own: ``sqrt(1 - beta2**t)`` is 3.3e-6 relative from the
     double's at t = 2 and 3 for beta2 = 0.999, 1e-7 from t = 10 on (measured). Against
     the default form (torch 2.13 CPU; four tensors up to 3072 x 768, entries ~0.02,
-    N(0, 1) gradients, lr 1e-3), measured: with the same float32 hyperparameter
-    values 4.8% of the parameters differ after one step and 17.9% after ten, by at most
-    1.2 float32 epsilons times the tensor's largest entry; with Python's 0.9 and 0.999,
-    18.5% and 36.0%, of the same size. A chaotic loop (a GAN) amplifies those; compare
-    against the twin to tell a port's bug from rounding. At lr 0 the step's denominator
-    is -inf, not 0/0: parameters stay as they are, as torch's do, with no NaN (with
-    ``eps = 0`` a parameter whose gradients were all 0 is 0/0 in every torch form and
-    here alike).
+    N(0, 1) gradients, lr 1e-3), measured for the capturable form: with the same
+    float32 hyperparameter values 4.8% of the parameters differ after one step and
+    17.9% after ten, by at most 1.2 float32 epsilons times the tensor's largest entry;
+    with Python's 0.9 and 0.999, 18.5% and 36.0%, of the same size. A chaotic loop (a
+    GAN) amplifies those; compare against the twin to tell a port's bug from rounding.
+    At lr 0 the step's denominator is -inf, not 0/0: parameters stay as they are, as
+    torch's do, with no NaN (with ``eps = 0`` a parameter whose gradients were all 0
+    is 0/0 in every torch form and here alike).
 
     Args:
         lr: a float >= 0, or a schedule ``step -> 0-d tensor`` (see ``fasttorch.schedules``).
         betas: ``(beta1, beta2)``, each in [0, 1).
         eps: added to the denominator, >= 0.
         weight_decay: L2 penalty added to the gradient, >= 0.
-        opaque: in a compiled step that donates its state on a CPU, run the update as
-            one operator the compiler does not look into (the eager step's kernels):
-            its compile time no longer grows with the parameter tensors, each step's
-            update takes what the eager one takes (docs/optimizers.md, "Opaque update").
+        opaque: in a step that donates its state on a CPU, run torch's fused CPU
+            kernel, in a compiled step as one operator the compiler does not look
+            into: its compile time no longer grows with the parameter tensors, and
+            the update is one pass over each tensor (docs/optimizers.md, "Opaque
+            update"). ``False``: the ``_foreach`` form there too, generated by the
+            compiler for each model, with ``foreach=True, capturable=True``'s bits.
 
     Returns:
         An :class:`Adam` optimizer.
@@ -325,9 +336,10 @@ def adamw(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
-    opaque: bool = False,
+    opaque: bool = True,
 ) -> Adam:
-    """AdamW: bit for bit ``torch.optim.AdamW(foreach=True, capturable=True)``.
+    """AdamW: bit for bit ``torch.optim.AdamW(fused=True)`` in a step that donates its
+    state (the default), ``torch.optim.AdamW(foreach=True, capturable=True)`` otherwise.
 
     As :func:`adam`, except that the decay shrinks the parameters before the moment
     update instead of entering the gradient: ``p = p * (1 - lr * weight_decay)``, with
@@ -336,13 +348,13 @@ def adamw(
     Equivalent to::
 
         opt = torch.optim.AdamW(params, lr=torch.tensor(lr), betas=betas, eps=eps,
-                                weight_decay=weight_decay, foreach=True, capturable=True)
+                                weight_decay=weight_decay, fused=True)
         loss.backward(); opt.step(); opt.zero_grad()
 
     The twins, the paths and the measured difference from torch's default
     (host-sync) form are :func:`adam`'s (measured at weight_decay 0.1: 4.8% of the
-    parameters after one step, 17.9% after ten, with the same float32 values); a
-    donated eager GPU step equals ``torch.optim.AdamW(fused=True)``.
+    parameters after one step, 17.9% after ten, with the same float32 values, for the
+    capturable form).
 
     Args:
         lr: a float >= 0, or a schedule ``step -> 0-d tensor`` (see ``fasttorch.schedules``).
