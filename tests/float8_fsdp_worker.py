@@ -99,7 +99,7 @@ def torchao_loop(rank, clip):
         model, config=config, module_filter_fn=lambda m, fqn: fqn != "output"
     )
     model = shard(model)
-    opt = adam_twin(torch.optim.AdamW, LR, weight_decay=1e-2)(model.parameters())
+    opt = adam_twin(torch.optim.AdamW, LR, weight_decay=1e-2, fused=True)(model.parameters())
     precompute_float8_dynamic_scale_for_fsdp(model)
     for x, y in batches(rank):
         for i, mb in enumerate(zip(x.tensor_split(N), y.tensor_split(N))):

@@ -100,7 +100,7 @@ def torchao_loop(plain: Net, recipe: str, composition: str, batches, emulate: bo
         config=torchao_config(recipe, emulate),
         module_filter_fn=lambda m, fqn: fqn != "output",
     )
-    opt = adam_twin(torch.optim.AdamW, LR, weight_decay=1e-2)(model.parameters())
+    opt = adam_twin(torch.optim.AdamW, LR, weight_decay=1e-2, fused=True)(model.parameters())
     average = copy.deepcopy(model)
     for x, y in batches:
         micro = [(x, y)] if composition == "plain" else zip(x.tensor_split(N), y.tensor_split(N))

@@ -149,14 +149,16 @@ def _aten_ops(opt: optim.Adam) -> collections.Counter[str]:
 
 
 def test_the_windows_mean_and_the_clip_fold_into_the_kernels_factor():
-    """In a donated compiled CPU step with the opaque optimizer, the global norm and
-    Adam are one operator each (``fasttorch._core.opaque``, ``fasttorch::adam_fused_``):
-    the window's mean and the clip's scaling are no passes of their own but the factor
+    """In a donated compiled CPU step with the opaque optimizer, the global norm, the
+    clip's multiply and Adam are one operator each (``fasttorch._core.opaque``,
+    ``fasttorch::adam_fused_``): the window's mean is no pass of its own but the factor
     the fused kernel divides out, and the graph holds no per-tensor norm; without the
     option, none of the operators and a norm per tensor."""
     opaque = _aten_ops(optim.adamw(LR, opaque=True))
     ours = {name: n for name, n in opaque.items() if name.startswith("fasttorch.")}
-    assert ours == {"fasttorch.global_norm.default": 1, "fasttorch.adam_fused_.default": 1}
+    assert ours == dict.fromkeys(
+        ("fasttorch.global_norm.default", "fasttorch.foreach_mul_.default"), 1
+    ) | {"fasttorch.adam_fused_.default": 1}
     assert opaque["aten.linalg_vector_norm.default"] == 0
     assert opaque["aten._foreach_div.Tensor"] == opaque["aten._foreach_mul.Tensor"] == 0
     plain = _aten_ops(optim.adamw(LR, opaque=False))
@@ -262,9 +264,9 @@ def test_inductor_calls_the_operator_on_the_donated_tensors():
 
 def test_a_skippable_fp16_step_runs_the_fused_kernel_with_the_skip_flag():
     """With ``with_amp("fp16")`` the update may be skipped: the fused kernel takes the
-    skip flag and the loss scale, with the window's total and the clip's coefficient
-    folded into it, as ``GradScaler.step`` gives them to ``AdamW(fused=True)``; the
-    loss-scaled norm is one operator. The eager step's bits (rule 1) and the
+    skip flag and the loss scale, with the window's total folded into it, as
+    ``GradScaler.step`` gives them to ``AdamW(fused=True)``; the loss-scaled norm and
+    the clip's multiply are one operator each. The eager step's bits (rule 1) and the
     hand-written GradScaler loop's values (rules 2 + 4).
 
     The loop's AdamW is torch's fused form with a tensor lr and the hyperparameters'
@@ -292,7 +294,7 @@ def test_a_skippable_fp16_step_runs_the_fused_kernel_with_the_skip_flag():
     fast = train(fasttorch.compiled(composed(), backend=backend))
     assert backend.calls(torch.ops.fasttorch.global_norm) == 1
     assert backend.calls(torch.ops.fasttorch.adam_fused_) == 1
-    assert backend.calls(torch.ops.fasttorch.foreach_mul_) == 0
+    assert backend.calls(torch.ops.fasttorch.foreach_mul_) == 1
     for name, p in eager.params.items():
         torch.testing.assert_close(fast.params[name], p, **EXACT)
     assert int(fast.opt_state.count) == int(eager.opt_state.count)

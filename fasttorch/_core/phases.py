@@ -919,17 +919,19 @@ def unscaled_norm(
 def clipped(
     g: GradOut, coef: torch.Tensor, *, norm: torch.Tensor, inv: torch.Tensor | None = None
 ) -> GradOut:
-    """``g`` with its true gradients times ``coef`` (0-d) and unscaled, ``norm`` known.
+    """``g`` with its true gradients times ``coef`` (0-d), ``norm`` known.
 
     ``g.grads / g.scale * coef``: multiplied now by ``coef`` times the scale's
-    :func:`reciprocal` (``inv``, where the caller computed it already), in one pass.
-    On the opaque path the runner chose (``g.opaque``: the optimizer's kernel divides
-    out the factor the gradients carry) nothing is multiplied: the factor becomes
-    ``g.scale / coef``, divided out by the optimizer's one pass.
+    :func:`reciprocal` (``inv``, where the caller computed it already), in one pass,
+    and unscaled. On the opaque path the runner chose (``g.opaque``: the optimizer's
+    kernel divides out the factor the gradients carry) the gradients are multiplied by
+    ``coef`` alone, in place as one operator, and keep their factor, which the
+    optimizer's pass divides out: with a factor that is a power of two (a loss scale,
+    a window of 2**k equal microbatches) the same bits as the hand-written loop's
+    unscale, then ``clip_grad_norm_``'s multiply.
     """
     if g.opaque:
-        scale = reciprocal(coef) if g.scale is None else g.scale / coef
-        return g.replace(scale=scale, norm=norm)
+        return g.replace(grads=scale_grads(g.grads, coef, opaque=True), norm=norm)
     if g.scale is not None:
         coef = coef * (reciprocal(g.scale) if inv is None else inv)
     return g.replace(grads=scaled_grads(g, coef), scale=None, norm=norm)

@@ -300,6 +300,13 @@ def groups(
     (``"lr"``), rule ``i``'s as ``"group{i}.lr"`` (``set_hyperparams(state,
     **{"group0.lr": 1e-5})``); ``metrics["lr"]`` is the default group's.
 
+    In a donated CPU step each group whose optimizer is opaque (``adamw``, ``adam`` and
+    ``sgd``'s default) runs torch's fused kernel, in a compiled step as one operator
+    per group; the others' update is traced, and its compile time grows with their
+    tensors (docs/optimizers.md, "Opaque update"). Where every group's optimizer can
+    take it, the window's mean and the clip's coefficient are folded into each group's
+    kernel; else they are one pass over the gradients first.
+
     Equivalent to ``torch.optim.AdamW([{"params": decay}, {"params": no_decay,
     "weight_decay": 0.0}], lr=lr, weight_decay=0.1)``.
 

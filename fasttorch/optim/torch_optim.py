@@ -379,6 +379,13 @@ def from_torch(
       parameters are kept, as torch's eager loop keeps them (a ``torch.where``, no
       host read).
 
+    No fast compile form: compiled, the update is traced, and inductor generates code
+    for every parameter tensor's update, so the cold compile grows with the model (at
+    12 GPT layers the traced AdamW took 32.5 s of an 81.6 s first step,
+    docs/benchmarks_compile.md), where :func:`~fasttorch.optim.adamw`,
+    :func:`~fasttorch.optim.adam` and :func:`~fasttorch.optim.sgd` run torch's fused
+    kernel as one operator (docs/optimizers.md, "Opaque update").
+
     ``foreach=`` and ``fused=`` are passed on (``fused=True``: Adam, AdamW, SGD,
     Adagrad; eager steps only, as torch does not let a compiler trace its fused
     kernels); ``capturable=False`` and ``differentiable=False`` (torch's defaults) are
