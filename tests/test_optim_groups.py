@@ -264,13 +264,12 @@ def test_groups_equal_the_grouping_code_people_use(case: str, lr: float | str) -
     assert where == {n: i for i, names in enumerate(state.opt_state.names) for n in names}
 
     lr_of = (lambda k: float(schedule(torch.tensor(k)))) if schedule else (lambda k: lr)
-    twin = torch.optim.AdamW(
+    twin = torch.optim.AdamW(  # a donated CPU step's twin: torch's fused kernel
         torch_groups,
         lr=torch.tensor(lr_of(0)),
         betas=(f32(0.9), f32(0.999)),
         eps=f32(1e-8),
-        foreach=True,
-        capturable=True,
+        fused=True,
     )
     data = _data(STEPS)
     for k, (idx, y) in enumerate(data):

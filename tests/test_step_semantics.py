@@ -74,14 +74,22 @@ OPTIMIZERS = {
 }
 
 
-def _torch_groups(params):
+def _torch_groups(params, fused=False):
     params = list(params)
-    return adam_twin(torch.optim.AdamW, 0.05, weight_decay=0.1)(
+    return adam_twin(torch.optim.AdamW, 0.05, weight_decay=0.1, fused=fused)(
         [
             {"params": [p for p in params if p.ndim >= 2]},
             {"params": [p for p in params if p.ndim < 2], "weight_decay": f32(0.0)},
         ]
     )
+
+
+# A donated step on a CPU runs torch's fused kernel (the opaque update): its twins.
+DONATED_TWINS = {
+    "adamw": adam_twin(torch.optim.AdamW, 0.05, weight_decay=0.1, fused=True),
+    "adam_eps0": adam_twin(torch.optim.Adam, 0.05, eps=0.0, fused=True),
+    "groups": lambda p: _torch_groups(p, fused=True),
+}
 
 
 def _train(model, opt, windows, *, mode, donate, micro, across=False, loss_fn=mse):
@@ -105,6 +113,8 @@ def _train(model, opt, windows, *, mode, donate, micro, across=False, loss_fn=ms
 
 def _check_against_torch(opt_name, *, mode, donate, micro, across=False, loss_fn=mse):
     make, make_torch = OPTIMIZERS[opt_name]
+    if donate:
+        make_torch = DONATED_TWINS.get(opt_name, make_torch)
     torch.manual_seed(0)
     model = TwoHeads()
     initial = copy.deepcopy(model)
