@@ -116,7 +116,8 @@ def _update_graph_writes(step_fn) -> tuple[int, int]:
 
     backend = aot_autograd(fw_compiler=record, keep_inference_input_mutations=True)
     model = LayerNormNet()
-    state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(1e-2))
+    # opaque=False: the update traced into the graph, whose writes are counted here
+    state = fasttorch.TrainState.create(model, fasttorch.optim.adamw(1e-2, opaque=False))
     n_params = len(state.params)
     fast = fasttorch.compiled(step_fn, backend=backend)
     x, y = batches(1, 16)[0]

@@ -17,7 +17,10 @@ def _model():
 
 
 def _state(opt=None):
-    return fasttorch.TrainState.create(_model(), opt or fasttorch.optim.sgd(0.1))
+    # opaque=False: the tests here hold a donated step to the copying path's bits, which
+    # the _foreach form gives both; a donated CPU step's default is torch's fused kernel
+    # (docs/optimizers.md, "Opaque update"; tests/test_opaque_update.py).
+    return fasttorch.TrainState.create(_model(), opt or fasttorch.optim.sgd(0.1, opaque=False))
 
 
 def _one_step_atol(batch, loss_fn=mse):
@@ -196,7 +199,7 @@ def test_the_model_is_compiled_once_with_accumulation():
         fasttorch.clip_scaled(fasttorch.grad_accumulate(fasttorch.step(mse), 4), 1.0),
         backend=backend,
     )
-    state = _state(fasttorch.optim.adamw(1e-2))
+    state = _state(fasttorch.optim.adamw(1e-2, opaque=False))  # the update traced
     for b in batches(3, 32):
         state, _ = step(state, b)
 
@@ -323,7 +326,7 @@ def test_eager_window_gives_no_grad_to_tensors_outside_the_state(monkeypatch, ot
         last = list(model.parameters())[-1]
         if other == "unfrozen":
             last.requires_grad_(False)
-        state = fasttorch.TrainState.create(model, fasttorch.optim.sgd(0.1))
+        state = fasttorch.TrainState.create(model, fasttorch.optim.sgd(0.1, opaque=False))
         if other == "unfrozen":
             last.requires_grad_(True)
         return state, last

@@ -70,13 +70,19 @@ def test_composed_steps_run_without_host_sync(mode):
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_the_profiler_sees_no_scalar_reads(mode):
     """Syncs made in C++ (a 0-d tensor read as a Scalar) escape the Python patch above;
-    the profiler's count of aten::_local_scalar_dense catches them."""
+    the profiler's count of aten::_local_scalar_dense catches them.
+
+    The only reads allowed are torch's fused CPU kernel's own (the opaque update, the
+    default on a CPU: ``_fused_adamw_`` and ``_fused_sgd_`` read their lr and step counts
+    in C++, as ``torch.optim.AdamW(fused=True)`` on a CPU does; host memory, nothing to
+    wait for; a GPU step never runs them)."""
     sched = fasttorch.schedules.warmup(2, fasttorch.schedules.cosine(1e-2, 10))
     for name, step in _steps(mode).items():
         for opt in (
-            fasttorch.optim.adamw(sched),
-            fasttorch.optim.adamw(sched, opaque=True),  # compiled: one operator, eager kernels
+            fasttorch.optim.adamw(sched),  # opaque: torch's fused CPU kernel
+            fasttorch.optim.adamw(sched, opaque=False),  # the _foreach form
             fasttorch.optim.sgd(0.1, momentum=0.9),
+            fasttorch.optim.sgd(0.1, momentum=0.9, opaque=False),
         ):
             torch.manual_seed(0)
             state = fasttorch.TrainState.create(BatchNormNet(), opt)
@@ -86,8 +92,21 @@ def test_the_profiler_sees_no_scalar_reads(mode):
             with torch.profiler.profile() as prof:
                 for b in data[2:]:
                     state, _ = step(state, b)
-            reads = [e.name for e in prof.events() if e.name == "aten::_local_scalar_dense"]
+            reads = [
+                e
+                for e in prof.events()
+                if e.name == "aten::_local_scalar_dense" and not _in_fused_kernel(e)
+            ]
             assert not reads, (name, opt, len(reads))
+
+
+def _in_fused_kernel(event) -> bool:
+    """Whether a profiler event ran inside one of torch's fused optimizer kernels."""
+    while event is not None:
+        if event.name.startswith("aten::_fused_"):
+            return True
+        event = event.cpu_parent
+    return False
 
 
 @pytest.mark.gpu

@@ -175,7 +175,10 @@ def test_grad_accumulate_schedule_and_ema_compose():
     # Member i equals the same fasttorch step run on member i alone (that one is held to
     # the hand-written loop by test_grad_accumulate.py and test_ema.py), within rule 2.
     for i in range(N):
-        single = fasttorch.TrainState.create(copy.deepcopy(models[i]), optim.adamw(sched))
+        # opaque=False: the _foreach form a population's (undonated) members run
+        single = fasttorch.TrainState.create(
+            copy.deepcopy(models[i]), optim.adamw(sched, opaque=False)
+        )
         single, _ = _run(inner, single, data)
         got = fasttorch.member(pop, i)
         windows = [list(torch.utils._pytree.tree_map(lambda t: t.tensor_split(2), b)) for b in data]

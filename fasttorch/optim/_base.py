@@ -18,6 +18,8 @@ multi-tensor path (docs/optimizers.md, "Kernels").
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -36,6 +38,7 @@ __all__ = [
     "OptState",
     "Optimizer",
     "by_dtype",
+    "cpu_as_gpu",
     "cpu_operator",
     "factor_dtype",
     "float_flag",
@@ -340,6 +343,23 @@ def in_cpu_graph(tensors: list[Tensor]) -> bool:
     return len(tensors) > 0 and tensors[0].device.type == "cpu" and torch.compiler.is_compiling()
 
 
+_AS_GPU = [False]
+
+
+@contextlib.contextmanager
+def cpu_as_gpu() -> Iterator[None]:
+    """Within it, a CPU step takes the form a GPU step has: no opaque update (torch's
+    fused CPU kernel and its operators, a CPU's only; :func:`in_place_in_graph`,
+    :func:`kernel`). For ``fasttorch.testing.check_cudagraphs``, which judges a CPU
+    step's graphs as CUDA's."""
+    before = _AS_GPU[0]
+    _AS_GPU[0] = True
+    try:
+        yield
+    finally:
+        _AS_GPU[0] = before
+
+
 def in_place_in_graph(opt: object) -> bool:
     """Whether ``opt.update(..., inplace=True)`` may run inside a compiled CPU step.
 
@@ -349,7 +369,7 @@ def in_place_in_graph(opt: object) -> bool:
     state's own tensors. Any other optimizer updates out of place there, as it always
     has: its eager in-place form may read values to the host, which a graph cannot.
     """
-    return bool(getattr(opt, "in_place_in_graph", False))
+    return bool(getattr(opt, "in_place_in_graph", False)) and not _AS_GPU[0]
 
 
 def update_used(
@@ -518,7 +538,7 @@ def kernel(
     if not lists or not lists[0]:
         return None
     first = lists[0][0]
-    on_cpu = cpu and first.device.type == "cpu"
+    on_cpu = cpu and first.device.type == "cpu" and not _AS_GPU[0]
     if torch.compiler.is_compiling():
         # Traced, only as an opaque optimizer's operator, which runs in a donated step:
         # never a vmapped one (whose members do not donate), which dynamo's tracing

@@ -16,6 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fasttorch import _compat as compat
+from fasttorch.optim._base import cpu_as_gpu
 from fasttorch.state import TrainState
 from fasttorch.steps import Step
 
@@ -113,10 +114,12 @@ def check_cudagraphs(
     found: list[tuple[str, list[compat.CudagraphVerdict]]] = []
     run = _checked(step, state.device.type, found)
     copy = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, state)
-    for i, batch in enumerate(batches):
-        if i > 0 and between is not None:
-            copy = between(copy)
-        copy, _ = run(copy, batch)
+    # A GPU step's form: no opaque update, which only a CPU step runs (optim's kernels).
+    with cpu_as_gpu():
+        for i, batch in enumerate(batches):
+            if i > 0 and between is not None:
+                copy = between(copy)
+            copy, _ = run(copy, batch)
     return [_report(name, v) for name, verdicts in found for v in verdicts]
 
 
