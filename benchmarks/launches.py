@@ -14,7 +14,8 @@ GPU run launches. Rows:
   ``torch.optim.AdamW(foreach=True)`` / ``(fused=True)``; fp16 with ``GradScaler``.
 * F0: the suite's F0 (``clip_scaled(grad_accumulate(with_amp(step(loss_fn)), 4), 1.0)``)
   with the kernel choice of a CUDA step (torch's fused AdamW), run here on CPU tensors.
-* F0 (CPU choice): the same step as it runs on a CPU (``_foreach_*`` calls).
+* F0 (CPU choice): the same step as it runs on a CPU (torch's fused CPU kernel, the
+  opaque update, the default there).
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def render(results: dict[str, dict[str, Any]], model: str = MODEL) -> str:
         "counted once per tensor under **launches**. The step is the suite's: a window",
         "of 4 microbatches, autocast, clip to norm 1, AdamW (benchmarks/variants.py).",
         f"Model: {title}. F0 uses the kernels a CUDA step chooses (torch's fused AdamW);",
-        '"F0 (CPU choice)" is the same step as it runs on a CPU (`_foreach_*` calls).',
+        '"F0 (CPU choice)" is the same step as it runs on a CPU (torch\'s fused CPU kernel,',
+        "the opaque update, the default there; `opaque=False`: `_foreach_*` calls).",
         "",
         f"torch {torch.__version__}, {platform.machine()}, {datetime.date.today().isoformat()}.",
         "",

@@ -12,7 +12,6 @@ import sys
 
 from benchmarks import steady_step
 
-
 LEGACY = ("step", "opaque", "regional", "regional_opaque")
 """The kinds of rows from before the opaque update was the default."""
 

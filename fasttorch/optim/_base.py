@@ -19,7 +19,6 @@ multi-tensor path (docs/optimizers.md, "Kernels").
 from __future__ import annotations
 
 import contextlib
-
 import math
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
