@@ -646,3 +646,27 @@ def test_smoke_run_against_head_runs_the_other_tree_in_the_same_round(tmp_path):
     assert "| F0 |" in text.split("this tree against HEAD")[1]
     assert "load average (1 / 5 / 15 min) at the start" in text
     assert _git("status", "--porcelain") == status and _git("worktree", "list") == worktrees
+
+
+def test_main_job_page_gives_per_round_ratios_and_the_verdict():
+    """``benchmarks.main_job``'s arithmetic (the runs themselves take minutes: none here)."""
+    from benchmarks.main_job import parse, table
+
+    assert parse("x\nwall 57.1 s | first step 31.8 s | 14.42 steps/s\n") == {
+        "wall": 57.1,
+        "first": 31.8,
+    }
+    with pytest.raises(ValueError, match="first step"):
+        parse("the job printed nothing of the kind")
+    rows = [
+        {"round": 0, "tree": "this", "first": 10.0, "wall": 20.0},
+        {"round": 0, "tree": "abc1234", "first": 30.0, "wall": 50.0},
+        {"round": 1, "tree": "abc1234", "first": 20.0, "wall": 40.0},
+        {"round": 1, "tree": "this", "first": 12.0, "wall": 22.0},
+    ]
+    text = table(rows, "abc1234")
+    # per round 10/30 and 12/20: median 0.47, within the target.
+    assert "| the main job | 0.47 [0.33-0.60] | <= 0.5 | met |" in text
+    assert "| first step, median (s) | 11.0 | 25.0 |" in text
+    slow = [dict(r, first=r["first"] * (3 if r["tree"] == "this" else 1)) for r in rows]
+    assert "| not met |" in table(slow, "abc1234")

@@ -309,3 +309,40 @@ def test_a_skippable_fp16_step_runs_the_fused_kernel_with_the_skip_flag():
     atol = params_atol(error.params, eager.params, precision="fp16", steps=4, lr=LR)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(fast.params[name], p.detach(), rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sgd_runs_torchs_fused_kernel_as_one_operator(momentum):
+    """``sgd``'s opaque update: one operator in the compiled step, the eager step's bits
+    (rule 1), and torch's ``SGD(fused=True)``'s given the same gradients (the window's
+    mean folded into the kernel's factor: a power of two, exact)."""
+    torch.manual_seed(0)
+    model, data = LayerNormNet(), batches(4, 16)
+    opt = optim.sgd(LR, momentum=momentum, weight_decay=0.1)
+    backend = Graphs()
+
+    def composed():
+        return fasttorch.grad_accumulate(fasttorch.step(mse), 2)
+
+    eager = _train(model, opt, composed(), data)
+    fast = _train(model, opt, fasttorch.compiled(composed(), backend=backend), data)
+    assert backend.calls(torch.ops.fasttorch.sgd_fused_) == 1
+    for name, p in eager.params.items():
+        torch.testing.assert_close(fast.params[name], p, **EXACT)
+    ref = copy.deepcopy(model)
+    twin = torch.optim.SGD(
+        ref.parameters(), lr=torch.tensor(LR), momentum=momentum, weight_decay=0.1, fused=True
+    )
+    for x, y in data:
+        for xs, ys in zip(x.tensor_split(2), y.tensor_split(2)):
+            (mse(ref, (xs, ys)) / 2).backward()
+        twin.step()
+        twin.zero_grad(set_to_none=True)
+    errors = fp32_reference_error(
+        model,
+        [list(zip(x.tensor_split(2), y.tensor_split(2))) for x, y in data],
+        make_opt=lambda p: torch.optim.SGD(p, lr=LR, momentum=momentum, weight_decay=0.1),
+    )
+    atol = params_atol(errors, eager.params)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(eager.params[name], p.detach(), rtol=0, atol=atol)
