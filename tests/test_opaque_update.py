@@ -346,3 +346,40 @@ def test_sgd_runs_torchs_fused_kernel_as_one_operator(momentum):
     atol = params_atol(errors, eager.params)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(eager.params[name], p.detach(), rtol=0, atol=atol)
+
+
+class _Transposed(torch.nn.Module):
+    """A parameter stored transposed (strides (1, 6)): its gradient from
+    ``autograd.grad`` need not have them, and torch's fused CPU kernel pairs elements by
+    memory order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(6, 8).t())
+        self.b = torch.nn.Parameter(torch.zeros(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w + self.b
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_a_gradient_in_other_strides_than_its_parameter_is_paired_right(mode):
+    """Rule 1 against torch's ``AdamW(fused=True)``, whose ``.grad`` follows the
+    parameter's strides (autograd's layout contract)."""
+    torch.manual_seed(0)
+    model = _Transposed()
+    assert not model.w.is_contiguous()
+    data = [(torch.randn(4, 8), torch.randn(4, 6)) for _ in range(3)]
+    step = fasttorch.step(mse)
+    if mode == "compiled":
+        step = fasttorch.compiled(step, backend="aot_eager")
+    state = _train(model, optim.adamw(LR, weight_decay=0.1), step, data)
+    ref = copy.deepcopy(model)
+    twin = adam_twin(torch.optim.AdamW, LR, weight_decay=0.1, fused=True)(ref.parameters())
+    for b in data:
+        mse(ref, b).backward()
+        assert ref.w.grad.stride() == ref.w.stride()
+        twin.step()
+        twin.zero_grad(set_to_none=True)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(state.params[name], p.detach(), **EXACT)

@@ -140,6 +140,7 @@ def opaque_update(
             torch.ops.fasttorch.adam_fused_(*lists, lr, count, *hyper, decoupled, grad_scale, flag)
         else:
             flag = None if found_inf is None else _base.float_flag(found_inf)
+            lists = [lists[0], _base.like_params(lists[0], lists[1]), *lists[2:]]
             fused(kernel, lists, lr, count, h, grad_scale, flag)
     return Updated(lists[0], None, None, count)
 
@@ -425,10 +426,9 @@ def _adam_fused_impl(
 ) -> None:
     """:func:`fused` in place, torch's fused CPU kernel: what an opaque optimizer's eager
     step runs (:func:`opaque_update`), so the same bits."""
-    # The tensors' layouts were checked where the step was traced (fused_kernel).
     kernel = _compat.fused_optimizer_kernel("adamw" if decoupled else "adam")
-    assert kernel is not None
-    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    assert kernel is not None  # fused_kernel said so where the step was traced
+    lists = (params, _base.like_params(params, grads), exp_avgs, exp_avg_sqs)
     h = {"beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
     fused(kernel, lists, lr, count, h, grad_scale, found_inf)
 

@@ -182,6 +182,7 @@ def opaque_update(
     if fused_lists(p, g, bufs, hyper) is None:
         return False
     flag = None if found_inf is None else _base.float_flag(found_inf)
+    lists[1] = _base.like_params(p, g)
     fused(_KERNEL, lists, lr, hyper, nesterov=nesterov, grad_scale=grad_scale, found_inf=flag)
     return True
 
@@ -207,7 +208,7 @@ def _sgd_fused_impl(
     if has_momentum:
         hyper.update(momentum=momentum, dampening=dampening)
     b = bufs if has_momentum else None
-    lists = fused_lists(params, grads, b, hyper)
+    lists = fused_lists(params, _base.like_params(params, grads), b, hyper)
     if lists is not None:
         fused(
             _KERNEL, lists, lr, hyper, nesterov=nesterov, grad_scale=grad_scale, found_inf=found_inf
