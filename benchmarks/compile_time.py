@@ -307,8 +307,8 @@ def table(rows: list[dict[str, Any]], depths: tuple[int, int]) -> str:
     growth_target = f"<= {growth.split()[0]}" if growth != "not measured" else ""
     lines += [
         "",
-        "| ratio (median [min-max] over rounds) | measured | target |",
-        "|---|---:|---:|",
+        "| ratio (median [min-max] over rounds) | measured | target | verdict |",
+        "|---|---:|---:|---|",
         f"| cold compile, {compile_model}, {lo} layers "
         f"| {ratio(('step', lo), ('model', lo))} | <= 1.3 |",
         f"| cold compile, {compile_model}, {hi} layers "
@@ -334,7 +334,27 @@ def table(rows: list[dict[str, Any]], depths: tuple[int, int]) -> str:
         f"| cold compile, blocks as one region / whole step, {hi} layers "
         f"| {ratio(('regional', hi), ('step', hi))} | |"
     )
-    return "\n".join(lines)
+    return "\n".join(_with_verdicts(lines))
+
+
+def _with_verdicts(lines: list[str]) -> list[str]:
+    """The ratio table's rows with a verdict column: "met" or "not met" where the row
+    has a target (``<= x``) and a measurement, else empty.
+
+    >>> _with_verdicts(["| a | 1.20 [1.1-1.3] | <= 1.3 |", "| b | 2.0 | |"])
+    ['| a | 1.20 [1.1-1.3] | <= 1.3 | met |', '| b | 2.0 | | |']
+    """
+    out = []
+    for line in lines:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) != 3 or not line.startswith("| ") or cells[1] == "measured":
+            out.append(line)
+            continue
+        verdict = ""
+        if cells[2].startswith("<= ") and cells[1] not in ("not measured", "–"):
+            verdict = "met" if float(cells[1].split()[0]) <= float(cells[2][3:]) else "not met"
+        out.append(f"{line} {verdict} |" if verdict else f"{line} |")
+    return out
 
 
 def _per_graph(runs: list[Any]) -> str:

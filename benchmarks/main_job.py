@@ -15,7 +15,6 @@ the other's, with the verdict against the target (at most half).
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import re
@@ -23,14 +22,13 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.compile_time import page_head
-from benchmarks.run import resolve_rev
+from benchmarks.run import other_tree, resolve_rev
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks_main_job.md"
@@ -53,24 +51,6 @@ def parse(stdout: str) -> dict[str, float]:
     return {"wall": float(wall), "first": float(first)}
 
 
-def _tree(commit: str) -> Path:
-    """``fasttorch/`` and ``examples/`` of ``commit`` in a fresh temporary directory."""
-    where = Path(tempfile.mkdtemp(prefix=f"ft-main-job-{commit[:7]}-"))
-    tar = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", commit, "fasttorch", "examples"],
-        capture_output=True,
-    )
-    if tar.returncode != 0:
-        shutil.rmtree(where, ignore_errors=True)
-        raise SystemExit(f"--against: git archive at {commit[:12]} failed: {tar.stderr!r}")
-    with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as t:
-        if hasattr(tarfile, "data_filter"):
-            t.extractall(where, filter="data")
-        else:  # Python < 3.11.4: our own repository's archive
-            t.extractall(where)
-    return where
-
-
 def run_job(tree: Path, steps: int, scratch: Path) -> dict[str, float]:
     """One cold run of the main job in ``tree``; its outputs and caches under ``scratch``."""
     env = {**os.environ, "PYTHONPATH": str(tree), "TORCHINDUCTOR_CACHE_DIR": str(scratch / "ind")}
@@ -85,7 +65,7 @@ def run_job(tree: Path, steps: int, scratch: Path) -> dict[str, float]:
 def measure(other: str, rounds: int, steps: int) -> list[dict[str, Any]]:
     """Every run: ``{"round", "tree" ("this" or the other commit), "first", "wall"}``."""
     rows = []
-    that = _tree(other)
+    that = other_tree(other, ("fasttorch", "examples"))
     try:
         for r in range(rounds):
             order = [("this", ROOT), (other[:7], that)]

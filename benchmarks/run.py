@@ -150,16 +150,16 @@ def base_variant(key: str) -> str:
     return key.split("@", 1)[0]
 
 
-def other_tree(commit: str) -> Path:
-    """``fasttorch/`` of ``commit`` in a fresh temporary directory (``git archive``).
+def other_tree(commit: str, paths: tuple[str, ...] = ("fasttorch",)) -> Path:
+    """``paths`` of ``commit`` in a fresh temporary directory (``git archive``).
 
-    Only the package is extracted: a worker started there (its working directory, so
-    first on ``sys.path``) imports that ``fasttorch`` and this tree's ``benchmarks``
-    (on ``PYTHONPATH``). The caller removes the directory.
+    By default only the package is extracted: a worker started there (its working
+    directory, so first on ``sys.path``) imports that ``fasttorch`` and this tree's
+    ``benchmarks`` (on ``PYTHONPATH``). The caller removes the directory.
     """
     where = Path(tempfile.mkdtemp(prefix=f"ft-bench-against-{commit[:7]}-"))
     tar = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", "--format=tar", commit, "fasttorch"],
+        ["git", "-C", str(ROOT), "archive", "--format=tar", commit, *paths],
         capture_output=True,
     )
     if tar.returncode != 0:

@@ -682,8 +682,8 @@ def test_lr_zero_and_a_warmup_from_zero_give_no_nan(name: str, mode: str) -> Non
         _assert_equal(p.detach(), start[n], f"torch.optim.{cls} at lr 0: {n}")
 
 
-# "unfused": the opaque optimizer where torch's fused kernel does not apply (its
-# _foreach operator, fasttorch::adam_); "opaque" itself is torch's fused CPU kernel.
+# "unfused": the opaque optimizer where torch's fused kernel does not apply (the CPU
+# graph's own form then); "opaque" itself is torch's fused CPU kernel.
 ALGORITHM_PATHS = [
     (n, "unfused" if m == "opaque" else m)
     for n, m in PATHS
@@ -698,7 +698,7 @@ def test_every_adam_kernel_computes_the_readable_algorithm_s_bits(
 ) -> None:
     """adam.py's adam_math is the algorithm, one parameter at a time; every kernel
     _adam_kernels.update chooses for it (foreach on copies or in place, the CPU graph,
-    the opaque ``_foreach`` operator where torch's fused kernel does not apply) gives
+    an opaque optimizer's where torch's fused kernel does not apply) gives
     its bits, step for step (EXACT: the same operations on the same values). torch's
     fused kernel, a donated eager GPU step's and an opaque optimizer's donated CPU
     step's, is torch's fused form, with its own roundings: its twin is torch's

@@ -2,12 +2,13 @@
 
 :mod:`fasttorch.optim.adam` holds the algorithm (:func:`~fasttorch.optim.adam.adam_math`,
 readable, per parameter) and makes one call here, :func:`update`, which chooses among
-the kernels that compute it over all parameters at once: torch's fused kernel for a
-donated eager GPU step (:func:`fused`, torch's fused form, with its own roundings), and
-to the algorithm's bits the ``_foreach_*`` calls of ``torch.optim.Adam(foreach=True,
-capturable=True)`` eagerly, in place or on copies (:func:`foreach`), their out-of-place
-form in a CPU graph (:func:`graph_update`), and ``fasttorch::adam_``, the in-place form
-as one operator the compiler does not look into (``adam(opaque=True)``).
+the kernels that compute it over all parameters at once: torch's fused kernel, with its
+own roundings, for a donated eager GPU step (:func:`fused`) and for an opaque
+optimizer's donated CPU step (:func:`opaque_update`; in a graph the operator
+``fasttorch::adam_fused_``, which the compiler does not look into), and to the
+algorithm's bits the ``_foreach_*`` calls of ``torch.optim.Adam(foreach=True,
+capturable=True)`` eagerly, in place or on copies (:func:`foreach`), and their
+out-of-place form in a CPU graph (:func:`graph_update`).
 """
 
 from __future__ import annotations
@@ -69,26 +70,22 @@ def update(
     ``lr``: the learning rate, 0-d. ``inplace``: the caller may overwrite the
     parameter, moment, gradient and count tensors (a donated state). Eagerly in place
     the count is the state's own tensor too (no allocation at the peak). The choice, in
-    order: with ``opaque`` on a CPU, torch's fused CPU kernel (:func:`opaque_update`:
-    eagerly, or traced as the operator ``fasttorch::adam_fused_``; on copies where not
-    in place); in a CPU graph, :func:`graph_update`; eagerly in place on a device with
-    torch's fused kernel, :func:`fused`; else :func:`foreach` (on copies when out of
-    place: the same kernels as in place, so the same bits).
+    order: with ``opaque``, in place on a CPU, torch's fused CPU kernel
+    (:func:`opaque_update`: eagerly, or traced as the operator
+    ``fasttorch::adam_fused_``); in a CPU graph, :func:`graph_update` (out of place:
+    a donated state takes its results by the step's commit); eagerly in place on a
+    device with torch's fused kernel, :func:`fused`; else :func:`foreach` (on copies
+    when out of place: the same kernels as in place, so the same bits).
     """
     if opaque:
         done = opaque_update((p, g, m, v), lr, count, h, decoupled=decoupled, inplace=inplace)
         if done is not None:
             return done
-    op = inplace and opaque and in_cpu_graph(p)
-    inplace = inplace and (op or not torch.compiler.is_compiling())
+    inplace = inplace and not torch.compiler.is_compiling()
     count = count.add_(1) if inplace else count + 1
     if len(p) == 0:
         return Updated(p, None, None, count)
     with torch.no_grad():
-        if op:
-            hyper = [h[k] for k in ("beta1", "beta2", "eps", "weight_decay")]
-            torch.ops.fasttorch.adam_(p, g, m, v, lr, count, *hyper, decoupled)
-            return Updated(p, None, None, count)
         if in_cpu_graph(p) and not inplace:
             p, m, v = graph_update(p, g, m, v, lr, count, h, decoupled=decoupled)
             return Updated(p, m, v, count)
@@ -372,41 +369,6 @@ def bias_corrections(
     step_size = beta1.pow(t).sub(1).div(lr.to(torch.float32)).reciprocal()
     bias_correction2_sqrt = beta2.pow(t).sub(1).neg().sqrt()
     return step_size, bias_correction2_sqrt
-
-
-def _adam_impl(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    lr: Tensor,
-    count: Tensor,
-    beta1: Tensor,
-    beta2: Tensor,
-    eps: Tensor,
-    weight_decay: Tensor,
-    decoupled: bool,
-) -> None:
-    """:func:`foreach` in place: what a donated eager step runs, so the same bits."""
-    h = {"beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay}
-    with torch.no_grad():
-        foreach(
-            params, grads, exp_avgs, exp_avg_sqs, lr, count, h, decoupled=decoupled, inplace=True
-        )
-
-
-# Adam's update as one operator the compiler does not look into (``Adam.opaque``):
-# inside a donated step inductor calls it on the state's own tensors, and generates
-# no code per parameter tensor. torch.library.custom_op is public API. Registered
-# once, when this module is first imported (fasttorch.optim.adam imports it).
-_adam_op = torch.library.custom_op(
-    "fasttorch::adam_", _adam_impl, mutates_args=("params", "grads", "exp_avgs", "exp_avg_sqs")
-)
-
-
-@_adam_op.register_fake
-def _adam_fake(*args: Any) -> None:
-    """Nothing to compute: the operator writes into its arguments and returns nothing."""
 
 
 def _adam_fused_impl(
