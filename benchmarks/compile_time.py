@@ -13,9 +13,10 @@ autocast, 4 microbatches, clip to norm 1, AdamW):
 
 * ``model``: the hand-written loop over ``torch.compile(model)`` (the backward compiles
   at the first ``backward``);
-* ``step``: ``fasttorch.compiled`` of the whole step, with ``cache_dir=`` a directory of
-  its own;
-* ``warm``: ``step`` again in a new process with the previous ``step``'s ``cache_dir``
+* ``step``: ``fasttorch.compiled`` of the whole step, no options (the default);
+* ``kept`` (at the smaller depth): the same with ``cache_dir=`` a directory of its own,
+  which traces the step ahead (``aot_compile``) to keep it there;
+* ``warm``: ``step`` again in a new process with the ``kept`` run's ``cache_dir``
   (its own ``TORCHINDUCTOR_CACHE_DIR`` fresh): a restarted job;
 * ``inductor_update``: ``step`` with ``adamw(..., opaque=False)``, the update generated
   by inductor for the model's tensors (the default before the opaque update was);
@@ -175,7 +176,8 @@ def child(
         run = _model_loop(model, backend, device)
     else:
         regional, opaque = kind == "regional", kind != "inductor_update"
-        run = _fasttorch_step(model, backend, cache, regional=regional, opaque=opaque)
+        kept = cache if kind in ("kept", "warm") else None  # the default: no cache_dir
+        run = _fasttorch_step(model, backend, kept, regional=regional, opaque=opaque)
     data = _batches(smoke, 2 if smoke else 4, device)
 
     def timed(batch: Any) -> float:
@@ -237,10 +239,12 @@ def measure(depths: tuple[int, int], rounds: int, smoke: bool) -> list[dict[str,
                 kinds: tuple[str, ...] = ("model", "step", "inductor_update")
                 if smoke and layers == depths[0]:  # the machinery, once per kind
                     kinds = ("model", "step")
+                elif layers == depths[0] and not smoke:
+                    kinds += ("kept",)
                 kinds += ("regional",) if layers == depths[1] else ()
                 for kind in kinds:
                     cache = os.path.join(tmp, f"cache-{kind}-{layers}")
-                    if kind == "step":  # the one the warm run starts from
+                    if kind == "kept":  # the one the warm run starts from
                         caches[layers] = cache
                     own = os.path.join(tmp, f"own-{kind}-{layers}")
                     res = spawn(kind, layers, smoke, cache, own)
@@ -249,7 +253,7 @@ def measure(depths: tuple[int, int], rounds: int, smoke: bool) -> list[dict[str,
             if smoke:  # aot_eager keeps no compiled code: a warm run would be a cold one
                 continue
             own = os.path.join(tmp, "own-warm")
-            res = spawn("step", depths[0], smoke, caches[depths[0]], own)
+            res = spawn("warm", depths[0], smoke, caches[depths[0]], own)
             rows.append({"round": r, "kind": "warm", "layers": depths[0], **res})
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -274,6 +278,7 @@ def table(rows: list[dict[str, Any]], depths: tuple[int, int]) -> str:
     for kind, label in (
         ("model", "`torch.compile(model)`"),
         ("step", "`fasttorch.compiled`"),
+        ("kept", "`fasttorch.compiled(..., cache_dir=...)`, cold (traced ahead, kept)"),
         ("warm", "`fasttorch.compiled`, warm"),
         ("inductor_update", "`fasttorch.compiled`, `adamw(..., opaque=False)`"),
         ("regional", "`fasttorch.compiled(..., regions=True)`"),
@@ -325,6 +330,10 @@ def table(rows: list[dict[str, Any]], depths: tuple[int, int]) -> str:
             f"{layers} layers | {ratio(('step', layers), ('step', layers), 'eval_first', 'first')} "
             "| <= 0.5 |"
         )
+    lines.append(
+        f"| cold compile, `cache_dir=` / `torch.compile(model)`, {lo} layers "
+        f"| {ratio(('kept', lo), ('model', lo))} | |"
+    )
     for layers in depths:
         lines.append(
             f"| cold compile, `opaque=False` / `torch.compile(model)`, {layers} layers "
@@ -417,7 +426,9 @@ def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
         "a step as 4 microbatches under bf16 autocast, clipped to norm 1, with AdamW. "
         "`torch.compile(model)`: the hand-written loop over the compiled model. "
         "`fasttorch.compiled`: the whole step (forward, backward, accumulation, clip, "
-        "AdamW) in its two graphs. Regional (the larger depth only): the same step with "
+        "AdamW) in its two graphs, no options; `cache_dir=`: the same with a directory "
+        "to keep it in, which traces it ahead (`aot_compile`) and feeds the warm run. "
+        "Regional (the larger depth only): the same step with "
         "`compiled(..., regions=True)`, each of the GPT's blocks a call of one "
         "`torch.compiler.nested_compile_region`, with inductor's Python wrapper (its C++ "
         'wrapper cannot call a subgraph); on the CPU `regions="auto"` leaves it off '
@@ -447,7 +458,9 @@ def write(path: Path, body: str, args: argparse.Namespace, wall: float) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--child", choices=("model", "step", "inductor_update", "regional"))
+    p.add_argument(
+        "--child", choices=("model", "step", "kept", "warm", "inductor_update", "regional")
+    )
     p.add_argument("--layers", default="12,24")
     p.add_argument("--cache", default="")
     p.add_argument("--rounds", type=int, default=1)
