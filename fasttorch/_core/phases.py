@@ -885,9 +885,9 @@ def opaque_update(state: TrainState, donated: bool) -> bool:
     (``optim._base.in_place_in_graph``: ``adam(..., opaque=True)``). The optimizer then
     runs torch's fused CPU kernel on the state's own tensors (in a graph as one
     operator), which divides out the factor the gradients carry (``GradOut.scale``):
-    the window's mean and the clip's coefficient are folded into that factor instead of
-    being passes over every gradient (:func:`clipped`), and the global norm, and what
-    scaling remains, run as operators of :mod:`fasttorch._core.opaque` in a graph. The
+    the window's mean is folded into that factor instead of being a pass over every
+    gradient, and the global norm and the clip's multiply (:func:`clipped`) run as
+    operators of :mod:`fasttorch._core.opaque` in a graph. The
     same eagerly, so that an eager step and a compiled one give the same bits. The
     runner decides it where it sets ``GradOut.donated`` and fills ``GradOut.opaque``,
     which :func:`unscaled_norm`, :func:`clipped` and the default update phase read: a

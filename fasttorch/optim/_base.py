@@ -514,11 +514,12 @@ def cpu_operator(schema: str, impl: Callable[..., Any], fake: Callable[..., Any]
 # --------------------------------------------------------------------------- fused kernels
 
 FUSED_DEVICES = frozenset({"cuda"})
-"""Device types whose donated eager steps use the fused kernels.
+"""Device types whose donated eager steps use the fused kernels for every optimizer.
 
-Not the CPU: there a step's eager and compiled forms run the same arithmetic and give
-the same bits (the tests hold them to it), and torch's fused CPU kernel rounds
-differently. The tests run the fused path on CPU by adding "cpu" here."""
+Not the CPU: there only an opaque optimizer (``adam``, ``adamw``, ``sgd``'s default)
+runs torch's fused CPU kernel, eagerly and as one operator in a compiled step alike
+(:func:`kernel` with ``cpu``), so that both give the same bits. The tests run this
+path on CPU by adding "cpu" here."""
 
 _DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
