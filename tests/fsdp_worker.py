@@ -370,8 +370,9 @@ RS_NAMES = ("reduce_scatter_single", "reduce_scatter_tensor")
 
 
 def check_no_recompiles(rank):
-    """Compiled: one graph (the update), no recompile as lr, scale and step change; the
-    eager forward and backward said once."""
+    """Compiled: one graph (the update traced, ``opaque=False``), no recompile as lr,
+    scale and step change; the eager forward and backward said once. With the default
+    (torch's fused kernel on a CPU) no graph: the update runs outside too."""
     _compat.dynamo_reset()
     counters = _compat.dynamo_counters()
     counters.clear()
@@ -385,16 +386,24 @@ def check_no_recompiles(rank):
         backend="aot_eager",
     )
     schedule = fasttorch.schedules.cosine(LR, 10)
-    state = replicate(fasttorch.TrainState.create(sharded_model(), fasttorch.optim.adamw(schedule)))
+    traced = fasttorch.optim.adamw(schedule, opaque=False)  # the update in a graph
+    state = replicate(fasttorch.TrainState.create(sharded_model(), traced))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for b in global_batches(5):
             state, _ = step(state, shard(b, rank))
+    graphs = counters["stats"]["unique_graphs"]
+    # The default AdamW on a CPU: torch's fused kernel, outside any graph.
+    fused = replicate(fasttorch.TrainState.create(sharded_model(), fasttorch.optim.adamw(schedule)))
+    for b in global_batches(3):
+        fused, _ = step(fused, shard(b, rank))
     return {
         "warnings": [str(w.message) for w in caught if "FSDP2" in str(w.message)],
         "recompiles": sum(counters["recompiles"].values()),
         "graph_breaks": len(counters["graph_break"]),
-        "graphs": counters["stats"]["unique_graphs"],
+        "graphs": graphs,
+        "fused_graphs": counters["stats"]["unique_graphs"] - graphs,
+        "fused_count": int(fused.opt_state.count),
     }
 
 

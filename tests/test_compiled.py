@@ -352,7 +352,8 @@ def test_options_reach_every_kernel():
     step = fasttorch.compiled(
         fasttorch.grad_accumulate(fasttorch.step(mse), 2), backend="aot_eager", options=opts
     )
-    state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.sgd(0.1))
+    opt = fasttorch.optim.sgd(0.1, opaque=False)  # the update traced, in a graph of its own
+    state = fasttorch.TrainState.create(LayerNormNet(), opt)
     for b in batches(2, 8):
         state, _ = step(state, b)
     assert len(calls) == 2, "both graphs (microbatch, update) saw the filter"
@@ -387,16 +388,23 @@ def test_on_cpu_the_microbatch_graph_gets_the_cpp_wrapper_and_the_update_graph_d
     monkeypatch.setattr(torch, "compile", record)
     monkeypatch.setattr(options_mod, "_ISA_PROBE", [object()])  # no probe thread from here
 
-    def kernels_options(**compile_kwargs):
+    def kernels_options(opaque=False, n=2, **compile_kwargs):
         seen.clear()
         torch.manual_seed(0)
-        state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.adamw(1e-2))
-        step = fasttorch.compiled(
-            fasttorch.grad_accumulate(fasttorch.step(mse), 2), cpu_gemm="native", **compile_kwargs
-        )
+        opt = fasttorch.optim.adamw(1e-2, opaque=opaque)  # opaque=False: the update traced
+        state = fasttorch.TrainState.create(LayerNormNet(), opt)
+        step = fasttorch.step(mse)
+        if n > 1:
+            step = fasttorch.grad_accumulate(step, n)
+        step = fasttorch.compiled(step, cpu_gemm="native", **compile_kwargs)
         step(state, batches(1, 8)[0])
         return dict(seen)
 
+    # The default (torch's fused kernel) runs the update outside the graphs: the
+    # gradients' graph is the only one, with the C++ wrapper, accumulating or not.
+    assert set(kernels_options(opaque=True)) == {"_micro"}
+    assert kernels_options(opaque=True, n=1)["_grad"]["cpp_wrapper"] is True
+    assert "cpp_wrapper" not in kernels_options(n=1)["_full"]
     got = kernels_options()
     assert set(got) == {"_micro", "_close"}, got
     assert got["_micro"]["cpp_wrapper"] is True

@@ -110,7 +110,7 @@ def test_the_gradients_are_reduced_once_per_window(results):
 def test_compiled_sharded_step_compiles_the_update_once_and_says_what_stays_eager(results):
     for r in _get(results, "no_recompiles"):
         assert r["recompiles"] == 0 and r["graph_breaks"] == 0, r
-        assert r["graphs"] == 1, r
+        assert r["graphs"] == 1 and r["fused_graphs"] == 0 and r["fused_count"] == 3, r
         assert (
             len(r["warnings"]) == 1
             and "the forward and backward run as the module runs them: eagerly" in r["warnings"][0]

@@ -168,7 +168,8 @@ def test_across_calls_compiles_two_graphs_and_never_recompiles():
         ),
         backend="aot_eager",
     )
-    state = _state(fasttorch.optim.adamw(fasttorch.schedules.cosine(1e-2, 10)))
+    schedule = fasttorch.schedules.cosine(1e-2, 10)
+    state = _state(fasttorch.optim.adamw(schedule, opaque=False))  # the update traced
     for b in batches(12, 8):
         state, _ = step(state, b)
     counters = torch._dynamo.utils.counters

@@ -1,7 +1,8 @@
 """``adam(..., opaque=True)``: in a CPU step that donates its state, the update is torch's
-fused CPU kernel, in a compiled step one operator (``fasttorch::adam_fused_``) that runs
-the eager step's call; the window's mean and the clip's coefficient are folded into the
-factor the kernel divides out."""
+fused CPU kernel, the eager step's call; a compiled step runs it outside its graphs, and a
+graph that holds it has one operator (``fasttorch::adam_fused_``) that makes the same
+call. The window's mean and the clip's coefficient are folded into the factor the kernel
+divides out."""
 
 from __future__ import annotations
 
@@ -16,10 +17,23 @@ from reference import LayerNormNet, adam_twin, batches, mse, reference_run
 from tolerance import EXACT, fp32_reference_error, params_atol, reference_error
 
 import fasttorch
-from fasttorch import optim
+from fasttorch import optim, phases
 
 ADAM_OP = torch.ops.fasttorch.adam_fused_.default
 LR = 1e-2
+
+
+def _ops(run) -> collections.Counter[str]:
+    """The operators ``run()`` calls, nested ones too, by the profiler's names."""
+    with torch.profiler.profile() as prof:
+        run()
+    return collections.Counter(e.name for e in prof.events())
+
+
+def _warm_ops(step, state, data) -> collections.Counter[str]:
+    """The operators of ``step``'s second call (the first compiles)."""
+    state, _ = step(state, data[0])
+    return _ops(lambda: step(state, data[1]))
 
 
 class Graphs:
@@ -38,6 +52,14 @@ class Graphs:
     def calls(self, target: object) -> int:
         return sum(
             n.op == "call_function" and n.target in (target, ADAM_OP)
+            for gm in self.graphs
+            for n in gm.graph.nodes
+        )
+
+    def ours(self) -> int:
+        """Calls of fasttorch's operators in the graphs."""
+        return sum(
+            n.op == "call_function" and str(n.target).startswith("fasttorch.")
             for gm in self.graphs
             for n in gm.graph.nodes
         )
@@ -74,7 +96,8 @@ def test_the_opaque_update_gives_the_eager_steps_bits(make):
     fast = _train(model, opaque, fasttorch.compiled(_composed(), backend=backend), data)
     plain_step = fasttorch.compiled(_composed(), backend="aot_eager")
     plain = _train(model, make(LR, weight_decay=0.1), plain_step, data)
-    assert backend.calls(torch.ops.fasttorch.adam_fused_) == 1
+    # One graph, the microbatch's: the update runs outside, as the eager step runs it.
+    assert len(backend.graphs) == 1 and backend.ours() == 0
     for name, p in eager.params.items():
         torch.testing.assert_close(fast.params[name], p, **EXACT)
         for slot in ("exp_avg", "exp_avg_sq"):
@@ -97,10 +120,10 @@ def test_the_opaque_update_gives_the_eager_steps_bits(make):
 
 
 @pytest.mark.parametrize("composed", [False, True], ids=["plain", "accumulated_clipped"])
-def test_the_update_graph_holds_one_operator_whatever_the_parameter_count(composed):
-    """Dynamo traces one call for each of the update's computations over every
-    gradient (the window's mean, the global norm, the clip's scaling, Adam), not one
-    per parameter tensor."""
+def test_the_graphs_of_the_opaque_step_grow_with_the_model_only(composed):
+    """With the update outside the graphs, what dynamo traces grows with the model's
+    calls only; traced (``opaque=False``), the update adds calls per parameter
+    tensor."""
 
     def calls(width: int, opaque: bool) -> int:
         torch.manual_seed(0)
@@ -118,7 +141,7 @@ def test_the_update_graph_holds_one_operator_whatever_the_parameter_count(compos
     # Each Linear adds its forward and backward calls (the same either way) and, with
     # the update in the graph, per tensor: its norm and Adam's lerp (2 tensors a layer).
     # A window adds nothing per tensor that depends on the option: its mean and the
-    # clip's scaling are one _foreach call each in the graph's own form too.
+    # clip's scaling are one _foreach call each in the traced form.
     model_and_update = calls(6, False) - calls(3, False)
     model_only = calls(6, True) - calls(3, True)
     assert model_and_update - model_only == 3 * 2 * 2  # 3 more layers, 2 tensors each
@@ -149,22 +172,52 @@ def _aten_ops(opt: optim.Adam) -> collections.Counter[str]:
 
 
 def test_the_windows_mean_and_the_clip_fold_into_the_kernels_factor():
-    """In a donated compiled CPU step with the opaque optimizer, the global norm, the
-    clip's multiply and Adam are one operator each (``fasttorch._core.opaque``,
-    ``fasttorch::adam_fused_``): the window's mean is no pass of its own but the factor
-    the fused kernel divides out, and the graph holds no per-tensor norm; without the
-    option, none of the operators and a norm per tensor."""
+    """In a donated compiled CPU step with the opaque optimizer, the update (outside
+    the graphs) is the global norm, the clip's multiply and torch's fused AdamW, one
+    ``_foreach`` or fused call each: the window's mean is no pass of its own but the
+    factor the fused kernel divides out, and the graphs hold none of it; without the
+    option, the graphs hold the update, a norm per tensor."""
     opaque = _aten_ops(optim.adamw(LR, opaque=True))
-    ours = {name: n for name, n in opaque.items() if name.startswith("fasttorch.")}
-    assert ours == dict.fromkeys(
-        ("fasttorch.global_norm.default", "fasttorch.foreach_mul_.default"), 1
-    ) | {"fasttorch.adam_fused_.default": 1}
+    assert not any(name.startswith("fasttorch.") for name in opaque)
     assert opaque["aten.linalg_vector_norm.default"] == 0
-    assert opaque["aten._foreach_div.Tensor"] == opaque["aten._foreach_mul.Tensor"] == 0
+    torch.manual_seed(0)
+    state = fasttorch.TrainState.create(LayerNormNet(), optim.adamw(LR, opaque=True))
+    ran = _warm_ops(fasttorch.compiled(_composed(), backend="aot_eager"), state, batches(2, 16))
+    assert ran["aten::_foreach_norm"] == ran["aten::_foreach_mul_"] == 1, ran
+    assert ran["aten::_fused_adamw_"] == 1
+    assert ran["aten::_foreach_div"] == ran["aten::_foreach_div_"] == 0
+    assert ran["fasttorch::adam_fused_"] == 0  # the operator is for a graph
     plain = _aten_ops(optim.adamw(LR, opaque=False))
     assert not any(name.startswith("fasttorch.") for name in plain)
     tensors = len(LayerNormNet().state_dict())
     assert plain["aten.linalg_vector_norm.default"] == tensors + 1  # and the norm of norms
+
+
+def test_a_graph_that_holds_the_opaque_update_calls_one_operator():
+    """A function of the user's own that traces the default update phase
+    (``fasttorch.phases``) with an opaque, donated ``GradOut`` holds torch's fused
+    kernel as one operator, ``fasttorch::adam_fused_``, with the eager call's bits."""
+    torch.manual_seed(0)
+    model = LayerNormNet()
+    grads = [{k: torch.randn_like(v) for k, v in model.named_parameters()} for _ in range(3)]
+
+    def update(state, grads):
+        one = torch.ones(())
+        g = phases.GradOut(grads=grads, value=one, weight=one, donated=True, opaque=True)
+        return phases.update_phase(state, g)
+
+    backend = Graphs()
+    traced = torch.compile(update, backend=backend, fullgraph=True)
+    out = []
+    for fn in (update, traced):
+        state = fasttorch.TrainState.create(copy.deepcopy(model), optim.adamw(LR, weight_decay=0.1))
+        for g in grads:
+            state, _ = fn(state, {k: v.clone() for k, v in g.items()})
+        out.append(state)
+    assert backend.calls(torch.ops.fasttorch.adam_fused_) == 1
+    for name, p in out[0].params.items():
+        torch.testing.assert_close(out[1].params[name], p, **EXACT)
+    assert int(out[1].opt_state.count) == 3
 
 
 def test_not_donated_the_update_stays_in_the_graph():
@@ -212,7 +265,7 @@ def test_groups_pass_in_place_to_the_opaque_optimizer_only():
     backend = Graphs()
     eager = _train(model, opt, fasttorch.step(mse), data)
     fast = _train(model, opt, fasttorch.compiled(fasttorch.step(mse), backend=backend), data)
-    assert backend.calls(torch.ops.fasttorch.adam_fused_) == 1
+    assert len(backend.graphs) == 1 and backend.ours() == 0  # the gradients'; the update outside
     for name, p in eager.params.items():
         torch.testing.assert_close(fast.params[name], p, **EXACT)
 
@@ -225,9 +278,9 @@ def test_opaque_must_be_a_bool():
 
 
 @pytest.mark.slow
-def test_inductor_calls_the_operator_on_the_donated_tensors():
-    """The one inductor compile here: the operator runs in the generated code, on the
-    state.s own tensors."""
+def test_inductor_step_runs_the_fused_kernel_on_the_donated_tensors():
+    """The one inductor compile here: after the generated gradients' code, torch's
+    fused kernel runs once, on the state's own tensors."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     data = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(3)]
@@ -240,7 +293,7 @@ def test_inductor_calls_the_operator_on_the_donated_tensors():
     with torch.profiler.profile() as prof:  # warm: one operator call
         state, _ = step(state, data[2])
     events = prof.events()
-    assert [e.name for e in events].count("fasttorch::adam_fused_") == 1
+    assert [e.name for e in events].count("aten::_fused_adamw_") == 1
     # The only scalar reads are torch's fused CPU kernel's own (its lr and step counts,
     # read in C++ as torch.optim.AdamW(fused=True) on a CPU reads them; no device sync).
     for e in events:
@@ -292,12 +345,13 @@ def test_a_skippable_fp16_step_runs_the_fused_kernel_with_the_skip_flag():
     backend = Graphs()
     eager = train(composed())
     fast = train(fasttorch.compiled(composed(), backend=backend))
-    assert backend.calls(torch.ops.fasttorch.global_norm) == 1
-    assert backend.calls(torch.ops.fasttorch.adam_fused_) == 1
-    assert backend.calls(torch.ops.fasttorch.foreach_mul_) == 1
+    assert len(backend.graphs) == 1 and backend.ours() == 0  # the update outside
     for name, p in eager.params.items():
         torch.testing.assert_close(fast.params[name], p, **EXACT)
     assert int(fast.opt_state.count) == int(eager.opt_state.count)
+    ran = _warm_ops(fasttorch.compiled(composed(), backend="aot_eager"), train(composed()), data)
+    assert ran["aten::_foreach_norm"] == ran["aten::_foreach_mul_"] == 1, ran
+    assert ran["aten::_fused_adamw_"] == 1
     windows = [list(zip(x.tensor_split(2), y.tensor_split(2))) for x, y in data]
 
     make_opt = adam_twin(torch.optim.AdamW, LR, weight_decay=0.1, fused=True)
@@ -312,10 +366,11 @@ def test_a_skippable_fp16_step_runs_the_fused_kernel_with_the_skip_flag():
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_sgd_runs_torchs_fused_kernel_as_one_operator(momentum):
-    """``sgd``'s opaque update: one operator in the compiled step, the eager step's bits
-    (rule 1), and torch's ``SGD(fused=True)``'s given the same gradients (the window's
-    mean folded into the kernel's factor: a power of two, exact)."""
+def test_sgd_runs_torchs_fused_kernel_once(momentum):
+    """``sgd``'s opaque update: torch's fused kernel once in the compiled step, outside
+    its graph, the eager step's bits (rule 1), and torch's ``SGD(fused=True)``'s given
+    the same gradients (the window's mean folded into the kernel's factor: a power of
+    two, exact)."""
     torch.manual_seed(0)
     model, data = LayerNormNet(), batches(4, 16)
     opt = optim.sgd(LR, momentum=momentum, weight_decay=0.1)
@@ -326,7 +381,10 @@ def test_sgd_runs_torchs_fused_kernel_as_one_operator(momentum):
 
     eager = _train(model, opt, composed(), data)
     fast = _train(model, opt, fasttorch.compiled(composed(), backend=backend), data)
-    assert backend.calls(torch.ops.fasttorch.sgd_fused_) == 1
+    assert len(backend.graphs) == 1 and backend.ours() == 0
+    again = fasttorch.compiled(composed(), backend="aot_eager")
+    ran = _warm_ops(again, fasttorch.TrainState.create(copy.deepcopy(model), opt), data)
+    assert ran["aten::_fused_sgd_"] == 1 and ran["fasttorch::sgd_fused_"] == 0
     for name, p in eager.params.items():
         torch.testing.assert_close(fast.params[name], p, **EXACT)
     ref = copy.deepcopy(model)

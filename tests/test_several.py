@@ -171,10 +171,10 @@ def gan_step(
     return fasttorch.compiled(step, backend="aot_eager") if compile else step
 
 
-def gan_state(d: nn.Module, g: nn.Module) -> fasttorch.Models:
+def gan_state(d: nn.Module, g: nn.Module, opaque: bool = True) -> fasttorch.Models:
     return fasttorch.Models.create(
-        d=fasttorch.TrainState.create(copy.deepcopy(d), optim.adam(LR)),
-        g=fasttorch.TrainState.create(copy.deepcopy(g), optim.adam(LR)),
+        d=fasttorch.TrainState.create(copy.deepcopy(d), optim.adam(LR, opaque=opaque)),
+        g=fasttorch.TrainState.create(copy.deepcopy(g), optim.adam(LR, opaque=opaque)),
     )
 
 
@@ -659,21 +659,33 @@ def _counting_backend() -> tuple[Any, list[torch.fx.GraphModule], list[torch.fx.
 
 
 @pytest.mark.parametrize(
-    ("n", "precision", "clip", "per_call"),
-    [(1, "fp32", None, [2] * 6), (2, "fp16", 1.0, [2] + [4] * 5)],
-    ids=["one_call_per_update", "guides_loop_accumulating"],
+    ("n", "precision", "clip", "opaque", "per_call"),
+    [
+        (1, "fp32", None, False, [2] * 6),
+        (2, "fp16", 1.0, False, [2] + [4] * 5),
+        (1, "fp32", None, True, [2] * 6),
+        (2, "fp16", 1.0, True, [2] * 6),
+    ],
+    ids=[
+        "one_call_per_update",
+        "guides_loop_accumulating",
+        "one_call_per_update_fused",
+        "guides_loop_accumulating_fused",
+    ],
 )
 def test_compiled_gan_graph_count(
-    n: int, precision: str, clip: float | None, per_call: list[int]
+    n: int, precision: str, clip: float | None, opaque: bool, per_call: list[int]
 ) -> None:
     """compiled(several(...)) compiles each member's step on its own: one graph per
     member without accumulation (the whole step, backward inside); with accumulation
     across calls, two per member (the microbatch, compiled on the first call, and the
-    window's update, on the window's last). No backward graph, no recompile over three
+    window's update, on the window's last). With Adam's default on a CPU (``opaque``:
+    torch's fused kernel) the update runs outside the graphs: one graph per member,
+    the gradients' or the microbatch's. No backward graph, no recompile over three
     windows."""
     backend, forward, backward = _counting_backend()
     d, g = gan_models(batchnorm=False)
-    state = gan_state(d, g)
+    state = gan_state(d, g, opaque)
     fast = fasttorch.compiled(gan_step(n=n, precision=precision, clip=clip), backend=backend)
     counts = []
     for b in gan_calls(6):

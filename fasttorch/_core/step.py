@@ -314,6 +314,35 @@ def kernel(
     return fn
 
 
+def update_outside(step: Step, state: TrainState) -> bool:
+    """Whether ``step``, compiled, runs its update outside its graphs, as eagerly.
+
+    It does where the update is opaque (:func:`fasttorch.phases.opaque_update`: a
+    donated step on a CPU whose optimizer runs torch's fused kernel): its work is a few
+    operators a compiler cannot speed up (the global norm, the clip's multiply, the
+    fused kernel), and traced they cost the first step more than anything but the
+    model. AOT autograd functionalizes the fused kernel's writes into every state
+    tensor (a base and a copy back per tensor, which inductor's passes then remove
+    tensor by tensor), and the graph's guards cover every state tensor. Measured at 12
+    GPT layers, the first step took 37.0 s against 51.5 s with the update traced, the
+    steady step no longer (docs/design.md, "The update on a CPU runs outside the
+    graphs"). The eager and the compiled step then run the same update, with the bits
+    of ``torch.optim.AdamW(fused=True)``.
+    """
+    return step.jit is not eager and opaque_update(state, step.donate and step.in_place_update)
+
+
+def update_kernel(
+    step: Step, state: TrainState, name: str, make: Callable[[], Callable[..., Any]]
+) -> Callable[..., Any]:
+    """The kernel of a window's update: :func:`kernel`'s, or, where the update runs
+    outside the graphs (:func:`update_outside`), ``make()`` as it is."""
+    if update_outside(step, state):
+        cache: dict[str, Callable[..., Any]] = step.__dict__.setdefault("_kernels", {})
+        return cache.setdefault(f"{name} (eager)", make())
+    return kernel(step, name, make)
+
+
 def memo(step: Step, name: str) -> dict[str, Any]:
     """A dict owned by ``step`` for ``name``: buffers a window reuses across calls."""
     memos: dict[str, dict[str, Any]] = step.__dict__.setdefault("_memos", {})
@@ -381,6 +410,10 @@ def run(step: Step, state: TrainState, batch: Batch) -> Result:
         return _in_module(step, state, micro, w.reduce.sharded(step, state, w.n))
     if w.reduce is None:
         if w.n == 1:
+            if eager_call and update_outside(step, state):
+                # The update runs outside the graphs: the graph is the gradients'.
+                g = kernel(step, "grad", lambda: functools.partial(_grad, step), cpp_wrapper=True)
+                return apply_update(step, state, g(state, batch))
             full = kernel(step, "full", lambda: functools.partial(_full, step))
             return full(state, batch)  # type: ignore[no-any-return]
         params = (
@@ -394,7 +427,11 @@ def run(step: Step, state: TrainState, batch: Batch) -> Result:
 
 
 def _full(step: Step, state: TrainState, batch: Batch) -> Result:
-    return apply_update(step, state, step.grad(step.loss, state, batch, 1.0))
+    return apply_update(step, state, _grad(step, state, batch))
+
+
+def _grad(step: Step, state: TrainState, batch: Batch) -> GradOut:
+    return step.grad(step.loss, state, batch, 1.0)
 
 
 def _in_kernels(step: Step, state: TrainState, micro: list[Batch]) -> Result:
@@ -462,7 +499,7 @@ def _last(
         assert acc is not None
         return _close_window(step, state, acc, batch, n, reset)
     g, mean = reduce.last(step, state, acc, batch, n)
-    apply = kernel(step, "apply", lambda: functools.partial(apply_update, step))
+    apply = update_kernel(step, state, "apply", lambda: functools.partial(apply_update, step))
     new, metrics = apply(state, mean)
     fresh = None
     if reset and acc is not None:
@@ -502,7 +539,7 @@ def _close_window(
         state, acc.replace(unused=None), batch, n, not reset or step.donate
     )
     acc2 = acc2.replace(unused=meet_unused(window_unused, g.unused))
-    close = kernel(step, "close", lambda: functools.partial(_close, step))
+    close = update_kernel(step, state, "close", lambda: functools.partial(_close, step))
     new, metrics, fresh = close(state, acc2, g, reset)
     return new, metrics, fresh, g.weight
 
@@ -639,7 +676,7 @@ def _in_module(step: Step, state: TrainState, micro: list[Batch], how: InModule)
         for p, old in zip(plist, saved):
             p.grad = old
         how.after()
-    apply = kernel(step, "apply", lambda: functools.partial(apply_update, step))
+    apply = update_kernel(step, state, "apply", lambda: functools.partial(apply_update, step))
     new, metrics = apply(state, how.mean(step, state, grads, unused, sums, last))
     if sums.aux is not None and sums.weight is not None and "aux" in metrics:
         metrics["aux"] = divide_aux(sums.aux, sums.weight)

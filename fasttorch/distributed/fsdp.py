@@ -38,7 +38,7 @@ from fasttorch import _compat
 from fasttorch._checks import warn_once
 from fasttorch._core.phases import IntoGrad
 from fasttorch._core.state import imported_class
-from fasttorch._core.step import Sums
+from fasttorch._core.step import Sums, update_outside
 from fasttorch.distributed.reducer import (
     DistributedStepError,
     SyncConfig,
@@ -147,12 +147,17 @@ def _check(config: SyncConfig, step: Step, state: TrainState) -> list[Any]:
             "the root's hooks drive the whole forward and backward"
         )
     if not step.is_eager:
+        update = (
+            "the update runs outside any graph too, as on every CPU with an optimizer "
+            'that runs torch\'s fused kernel (docs/optimizers.md, "Opaque update")'
+            if update_outside(step, state)
+            else "compiled compiles the update only (unscale, clip, optimizer, EMA: one graph)"
+        )
         warn_once(
             "compiled: the state is sharded with FSDP2, whose hooks run outside any "
-            "graph, so compiled compiles the update only (unscale, clip, optimizer, EMA: "
-            "one graph); the forward and backward run as the module runs them: eagerly, "
-            "unless its blocks were compiled before fully_shard (block.compile(), as "
-            'torchtitan does): docs/distributed.md, "Sharding"'
+            f"graph, so {update}; the forward and backward run as the module runs them: "
+            "eagerly, unless its blocks were compiled before fully_shard (block.compile(), "
+            'as torchtitan does): docs/distributed.md, "Sharding"'
         )
     return roots
 
