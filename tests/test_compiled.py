@@ -16,6 +16,7 @@ from reference import LayerNormNet, batches, mse
 from tolerance import unit_roundoff
 
 import fasttorch
+from fasttorch import _compat
 from fasttorch._compile import inductor_options as options_mod
 
 counters = torch._dynamo.utils.counters
@@ -409,6 +410,13 @@ def test_on_cpu_the_microbatch_graph_gets_the_cpp_wrapper_and_the_update_graph_d
     assert set(got) == {"_micro", "_close"}, got
     assert got["_micro"]["cpp_wrapper"] is True
     assert got["_micro"]["cpp_wrapper_build_separate"] is True
+    # the wrapper (one large function) at -Og: GCC's -O1 grows faster than its size
+    assert got["_micro"][options_mod.WRAPPER_OPT] == options_mod.WRAPPER_OPT_LEVEL == "Og"
+    assert options_mod.WRAPPER_OPT not in got["_close"]
+    mine = kernels_options(options={options_mod.WRAPPER_OPT: "O1"})["_micro"]
+    assert mine[options_mod.WRAPPER_OPT] == "O1"
+    one_file = kernels_options(options={"cpp_wrapper_build_separate": False})["_micro"]
+    assert options_mod.WRAPPER_OPT not in one_file  # one file: the kernels' -O3 for all
     assert "cpp_wrapper" not in got["_close"]
     assert "cpp_wrapper_build_separate" not in got["_close"]
     # the caller's choice stands, either way
@@ -431,6 +439,7 @@ def test_the_cpp_wrapper_is_for_graphs_whose_tensors_are_all_on_the_cpu():
         "max_autotune": True,
         "cpp_wrapper": True,
         "cpp_wrapper_build_separate": True,
+        "aot_inductor.compile_wrapper_opt_level": "Og",
     }
     assert opts["options"] == {"max_autotune": True}, "the caller's dict is left as it was"
     # the caller's choice of a one-file build stands
@@ -459,3 +468,10 @@ def test_a_set_cpu_capability_without_a_cache_of_its_own_is_warned_about(monkeyp
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         options_mod._check_isa_cache()
+
+
+def test_inductor_has_option_reads_a_sections_option():
+    assert _compat.inductor_has_option("cpp_wrapper")
+    assert _compat.inductor_has_option("aot_inductor.compile_wrapper_opt_level")
+    assert not _compat.inductor_has_option("aot_inductor.no_such_option")
+    assert not _compat.inductor_has_option("no_such_section.cpp_wrapper")

@@ -34,11 +34,17 @@ def inductor_has_option(name: str) -> bool:
     """Whether this torch's inductor knows the config option ``name``.
 
     Why: options come and go between releases (``cpp_wrapper_build_separate`` appeared
-    in 2.8); passing an unknown one to ``torch.compile`` is an error.
+    in 2.8); passing an unknown one to ``torch.compile`` is an error. A dotted name is
+    an option of a section (``aot_inductor.compile_wrapper_opt_level``).
     """
     from torch._inductor import config
 
-    return hasattr(config, name)
+    where: Any = config
+    for part in name.split("."):
+        if not hasattr(where, part):
+            return False
+        where = getattr(where, part)
+    return True
 
 
 def inductor_mode_options(mode: str, dynamic: bool | None) -> dict[str, Any]:

@@ -883,15 +883,17 @@ def opaque_update(state: TrainState, donated: bool) -> bool:
     On a CPU, in a step that donates its state (``donated``: ``GradOut.donated``, or
     ``step.donate`` before the update phase), for an optimizer that asks for it
     (``optim._base.in_place_in_graph``: ``adam(..., opaque=True)``). The optimizer then
-    runs torch's fused CPU kernel on the state's own tensors (in a graph as one
-    operator), which divides out the factor the gradients carry (``GradOut.scale``):
-    the window's mean is folded into that factor instead of being a pass over every
-    gradient, and the global norm and the clip's multiply (:func:`clipped`) run as
-    operators of :mod:`fasttorch._core.opaque` in a graph. The
-    same eagerly, so that an eager step and a compiled one give the same bits. The
-    runner decides it where it sets ``GradOut.donated`` and fills ``GradOut.opaque``,
-    which :func:`unscaled_norm`, :func:`clipped` and the default update phase read: a
-    transform never names it. The window's own mean reads it here.
+    runs torch's fused CPU kernel on the state's own tensors, which divides out the
+    factor the gradients carry (``GradOut.scale``): the window's mean is folded into
+    that factor instead of being a pass over every gradient. A compiled step runs such
+    an update outside its graphs, as the eager step runs it
+    (``fasttorch._core.step.update_outside``), so both give the same bits; a graph
+    that holds one (a function of your own over these phases) calls the kernel, the
+    global norm and the clip's multiply (:func:`clipped`) as operators of
+    :mod:`fasttorch._core.opaque` and ``fasttorch::adam_fused_``, with the same bits.
+    The runner decides it where it sets ``GradOut.donated`` and fills
+    ``GradOut.opaque``, which :func:`unscaled_norm`, :func:`clipped` and the default
+    update phase read: a transform never names it. The window's own mean reads it here.
     Not under ``vmap``, whose members' steps do not donate (``vmapped``), and not on a
     GPU, where it was not measured.
     """

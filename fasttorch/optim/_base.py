@@ -517,8 +517,9 @@ FUSED_DEVICES = frozenset({"cuda"})
 """Device types whose donated eager steps use the fused kernels for every optimizer.
 
 Not the CPU: there only an opaque optimizer (``adam``, ``adamw``, ``sgd``'s default)
-runs torch's fused CPU kernel, eagerly and as one operator in a compiled step alike
-(:func:`kernel` with ``cpu``), so that both give the same bits. The tests run this
+runs torch's fused CPU kernel, in eager and compiled steps alike (a compiled step runs
+that update outside its graphs; a graph that holds it calls it as one operator):
+:func:`kernel` with ``cpu``, so that both give the same bits. The tests run this
 path on CPU by adding "cpu" here."""
 
 _DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})

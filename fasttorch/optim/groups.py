@@ -301,8 +301,9 @@ def groups(
     **{"group0.lr": 1e-5})``); ``metrics["lr"]`` is the default group's.
 
     In a donated CPU step each group whose optimizer is opaque (``adamw``, ``adam`` and
-    ``sgd``'s default) runs torch's fused kernel, in a compiled step as one operator
-    per group; the others' update is traced, and its compile time grows with their
+    ``sgd``'s default) runs torch's fused kernel, one call per group, and a compiled
+    step runs the update outside its graphs; where a group's optimizer is not opaque,
+    the update is traced, and its compile time grows with their
     tensors (docs/optimizers.md, "Opaque update"). Where every group's optimizer can
     take it, the window's mean and the clip's coefficient are folded into each group's
     kernel; else they are one pass over the gradients first.

@@ -83,7 +83,10 @@ class SGD:
 
     @property
     def in_place_in_graph(self) -> bool:
-        """Whether a donated compiled CPU step updates in place: as one operator, opaque."""
+        """Whether a donated CPU step updates in place, with torch's fused kernel: opaque.
+
+        A compiled step then runs its update outside its graphs (a graph that holds it
+        calls the kernel as one operator)."""
         return self.opaque
 
     def __attrs_post_init__(self) -> None:
@@ -282,8 +285,8 @@ def sgd(
         nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
         weight_decay: L2 penalty added to the gradient, >= 0.
         opaque: in a step that donates its state on a CPU, run torch's fused CPU
-            kernel, in a compiled step as one operator the compiler does not look
-            into (as :func:`~fasttorch.optim.adam`'s): ``torch.optim.SGD(fused=True)``'s
+            kernel, in a compiled step outside its graphs (as
+            :func:`~fasttorch.optim.adam`'s): ``torch.optim.SGD(fused=True)``'s
             bits, where the dampening is 0 and the parameters are not half precision
             with momentum (torch's CPU kernel gives wrong buffers for bfloat16 there);
             elsewhere, and with ``False``, the ``_foreach`` form above.

@@ -384,7 +384,7 @@ def from_torch(
     12 GPT layers the traced AdamW took 32.5 s of an 81.6 s first step,
     docs/benchmarks_compile.md), where :func:`~fasttorch.optim.adamw`,
     :func:`~fasttorch.optim.adam` and :func:`~fasttorch.optim.sgd` run torch's fused
-    kernel as one operator (docs/optimizers.md, "Opaque update").
+    kernel, outside the graphs (docs/optimizers.md, "Opaque update").
 
     ``foreach=`` and ``fused=`` are passed on (``fused=True``: Adam, AdamW, SGD,
     Adagrad; eager steps only, as torch does not let a compiler trace its fused

@@ -123,7 +123,11 @@ def compiled(
     With ``grad_accumulate`` two graphs are compiled (one microbatch's forward and
     backward; the window's unscale, clip and update) and reused, never one graph
     unrolled over the microbatches, and the model's code is compiled once. Input
-    checks, the RNG scope and donation stay outside the graph.
+    checks, the RNG scope and donation stay outside the graph. On a CPU, a donated
+    step whose optimizer runs torch's fused kernel (``adamw``, ``adam``, ``sgd``: their
+    default ``opaque=True``) runs its update outside the graphs, as the eager step
+    does: the only graph is the gradients' (the microbatch's), and the update costs no
+    compile time (docs/optimizers.md, "Opaque update").
 
     ``compiled`` must be the outermost of the phase transforms. It also accepts any
     ``(state, batch) -> (state, metrics)`` callable (a custom step), compiled whole.

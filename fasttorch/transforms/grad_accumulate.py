@@ -190,8 +190,9 @@ def grad_accumulate(step: Step, n: int, *, across_calls: bool = False) -> Step:
       by their counts), not its own microbatch's loss, which a script logging
       ``loss.item()`` beside ``opt.step()`` reports.
 
-    Under ``compiled`` the microbatch is one graph reused ``n`` times, and the last
-    microbatch plus the update is the other: the loop is never unrolled.
+    Under ``compiled`` the microbatch is one graph reused ``n`` times, and the update
+    is the other (on a CPU with an optimizer that runs torch's fused kernel, the
+    default, it runs outside the graphs): the loop is never unrolled.
 
     Equivalent to (equal microbatches)::
 
