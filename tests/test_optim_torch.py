@@ -260,12 +260,66 @@ def test_fused_adamw_is_an_optimizer_choice() -> None:
     _assert_equal(state, ref)
 
 
-def test_fused_refuses_a_compiled_step_with_its_reason() -> None:
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "SGD", "Adagrad"])
+def test_fused_runs_outside_the_graphs_of_a_compiled_cpu_step(name: str) -> None:
+    """``fused=True`` (torch's fused kernel, which torch does not let a compiler trace):
+    a compiled CPU step that donates its state compiles the window's microbatch only
+    and runs torch's fused kernel after it, as the eager step does: the eager step's
+    bits (rule 1), with the update in no graph."""
+    model, data = _model(name), batches(STEPS, 32)
+    opt = optim.from_torch(getattr(torch.optim, name), LR, **ALGOS[name], fused=True)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, example: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    def composed() -> fasttorch.Step:
+        return fasttorch.clip_scaled(fasttorch.grad_accumulate(fasttorch.step(mse), 2), 1.0)
+
+    eager = _run(fasttorch.TrainState.create(copy.deepcopy(model), opt), composed(), data)
+    fast = fasttorch.compiled(composed(), backend=keep)
+    state = _run(fasttorch.TrainState.create(copy.deepcopy(model), opt), fast, data)
+    assert len(graphs) == 1  # the microbatch's
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert not any("fused" in t for t in targets), targets
+    for n, p in eager.params.items():
+        torch.testing.assert_close(state.params[n], p, **EXACT)
+
+
+def test_a_fused_group_runs_the_whole_update_outside_the_graphs() -> None:
+    """In ``groups``, one ``fused=True`` member is enough: the compiled CPU step runs
+    the whole update outside its graphs, each group's own kernel, the eager step's
+    bits."""
+    model, data = _model("AdamW"), batches(STEPS, 32)
+    fused = optim.from_torch(torch.optim.AdamW, LR, fused=True)
+    opt = optim.groups(optim.sgd(LR, momentum=0.9, opaque=False), [("*.weight", fused)])
+    assert opt.update_outside_graphs and not opt.in_place_in_graph
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, example: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    step = fasttorch.grad_accumulate(fasttorch.step(mse), 2)
+    eager = _run(fasttorch.TrainState.create(copy.deepcopy(model), opt), step, data)
+    fast = fasttorch.compiled(fasttorch.grad_accumulate(fasttorch.step(mse), 2), backend=keep)
+    state = _run(fasttorch.TrainState.create(copy.deepcopy(model), opt), fast, data)
+    assert len(graphs) == 1
+    for n, p in eager.params.items():
+        torch.testing.assert_close(state.params[n], p, **EXACT)
+
+
+def test_fused_refuses_a_step_that_would_trace_it_with_its_reason() -> None:
+    """Where the update would be traced (``donate=False``; on a GPU), torch's refusal
+    of its fused kernels in a graph is said in plain words."""
     opt = optim.from_torch(torch.optim.AdamW, LR, fused=True)
     state = fasttorch.TrainState.create(_model("AdamW"), opt)
-    step = fasttorch.compiled(fasttorch.step(mse), backend="aot_eager")
+    step = fasttorch.compiled(fasttorch.step(mse, donate=False), backend="aot_eager")
     with pytest.raises(Exception, match="torch.compiler.disable"):
         step(state, batches(1, 4)[0])
+    with pytest.raises(RuntimeError, match="only on a CPU, in a step that donates"):
+        opt.check_compilable()
 
 
 def test_schedule_as_lr() -> None:

@@ -45,6 +45,7 @@ from fasttorch.optim._base import (
     computed_once,
     in_cpu_graph,
     in_place_in_graph,
+    update_outside_graphs,
     update_used,
 )
 from fasttorch.substates import any_declares
@@ -898,6 +899,16 @@ def opaque_update(state: TrainState, donated: bool) -> bool:
     GPU, where it was not measured.
     """
     return donated and state.device.type == "cpu" and in_place_in_graph(state.optimizer)
+
+
+def outside_graphs(state: TrainState, donated: bool) -> bool:
+    """Whether a compiled step runs its update outside its graphs, as eagerly.
+
+    Where :func:`opaque_update` holds, and for an optimizer a compiler cannot trace
+    (``optim._base.update_outside_graphs``: ``from_torch(..., fused=True)``), in a CPU
+    step that donates its state.
+    """
+    return donated and state.device.type == "cpu" and update_outside_graphs(state.optimizer)
 
 
 def unscaled_norm(

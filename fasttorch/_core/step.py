@@ -64,6 +64,7 @@ from fasttorch._core.phases import (
     loss_phase,
     module_tensors,
     opaque_update,
+    outside_graphs,
     reads_no_state_after_inner,
     scale_grads,
     skip_empty_window,
@@ -318,18 +319,20 @@ def update_outside(step: Step, state: TrainState) -> bool:
     """Whether ``step``, compiled, runs its update outside its graphs, as eagerly.
 
     It does where the update is opaque (:func:`fasttorch.phases.opaque_update`: a
-    donated step on a CPU whose optimizer runs torch's fused kernel): its work is a few
-    operators a compiler cannot speed up (the global norm, the clip's multiply, the
-    fused kernel), and traced they cost the first step more than anything but the
-    model. AOT autograd functionalizes the fused kernel's writes into every state
-    tensor (a base and a copy back per tensor, which inductor's passes then remove
-    tensor by tensor), and the graph's guards cover every state tensor. Measured at 12
+    donated step on a CPU whose optimizer runs torch's fused kernel), and for an
+    optimizer a compiler cannot trace (``from_torch(..., fused=True)``) in such a step
+    (``phases.outside_graphs``). An opaque update's work is a few operators a compiler
+    cannot speed up (the global norm, the clip's multiply, the fused kernel), and
+    traced they cost the first step more than anything but the model: AOT autograd
+    functionalizes the fused kernel's writes into every state tensor (a base and a
+    copy back per tensor, which inductor's passes then remove tensor by tensor), and
+    the graph's guards cover every state tensor. Measured at 12
     GPT layers, the first step took 37.0 s against 51.5 s with the update traced, the
     steady step no longer (docs/design.md, "The update on a CPU runs outside the
     graphs"). The eager and the compiled step then run the same update, with the bits
     of ``torch.optim.AdamW(fused=True)``.
     """
-    return step.jit is not eager and opaque_update(state, step.donate and step.in_place_update)
+    return step.jit is not eager and outside_graphs(state, step.donate and step.in_place_update)
 
 
 def update_kernel(

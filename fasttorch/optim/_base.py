@@ -372,6 +372,18 @@ def in_place_in_graph(opt: object) -> bool:
     return bool(getattr(opt, "in_place_in_graph", False)) and not _AS_GPU[0]
 
 
+def update_outside_graphs(opt: object) -> bool:
+    """Whether a compiled CPU step that donates its state runs ``opt``'s update outside
+    its graphs, in place, as an eager step runs it.
+
+    True for an opaque optimizer (:func:`in_place_in_graph`) and for one whose update a
+    compiler cannot trace (``from_torch(..., fused=True)``: torch wraps its fused
+    kernels in ``torch.compiler.disable``), which declares ``update_outside_graphs``.
+    """
+    own = bool(getattr(opt, "update_outside_graphs", False)) and not _AS_GPU[0]
+    return own or in_place_in_graph(opt)
+
+
 def update_used(
     opt: Optimizer,
     params: Mapping[str, Tensor],

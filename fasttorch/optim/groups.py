@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from fasttorch import struct
-from fasttorch.optim._base import Optimizer, OptState, in_place_in_graph
+from fasttorch.optim._base import Optimizer, OptState, in_place_in_graph, update_outside_graphs
 from fasttorch.optim.selectors import (
     EMBEDDINGS,
     NORMALIZATION,
@@ -113,6 +113,13 @@ class Groups:
         """Whether a group's optimizer updates in place in a donated compiled CPU step
         (``adam(..., opaque=True)``): ``inplace`` is passed on to those only."""
         return any(in_place_in_graph(opt) for opt in self.optimizers)
+
+    @property
+    def update_outside_graphs(self) -> bool:
+        """Whether a group's optimizer cannot be traced (``from_torch(..., fused=True)``):
+        then a compiled CPU step that donates its state runs the whole update outside
+        its graphs (``optim._base.update_outside_graphs``)."""
+        return any(update_outside_graphs(opt) for opt in self.optimizers)
 
     @_patterns.default
     def _translate(self) -> tuple[Selector, ...]:

@@ -118,11 +118,21 @@ class TorchOptimizer:
             return float(self.lr(torch.zeros((), dtype=torch.int64)))
         return float(self.lr)  # type: ignore[arg-type]
 
+    @property
+    def update_outside_graphs(self) -> bool:
+        """With ``fused=True``: torch's fused kernels are not traced (torch wraps them in
+        ``torch.compiler.disable``), so a compiled CPU step that donates its state runs
+        this update outside its graphs, as the eager step runs it: torch's fused kernel
+        in place on the state's tensors."""
+        return bool(dict(self.group).get("fused"))
+
     def check_compilable(self) -> None:
         """Raise if this optimizer cannot run inside a compiled step, saying why.
 
         ``fasttorch.compiled`` calls it before tracing, so the message is not buried
-        in the compiler's own error.
+        in the compiler's own error (not for a CPU state whose update runs outside the
+        graphs, :attr:`update_outside_graphs`: there the update, if traced after all,
+        raises it).
         """
         name = self.cls.__name__
         if self._algorithm.eager_only:
@@ -133,10 +143,12 @@ class TorchOptimizer:
             )
         if dict(self.group).get("fused"):
             raise RuntimeError(
-                f"from_torch({name}, fused=True) cannot run in a compiled step: torch "
-                "wraps its fused kernels in torch.compiler.disable (they are not traced). "
-                "In a compiled step leave fused out (torch's capturable kernel is traced "
-                "and fused by the compiler); keep fused=True for eager steps."
+                f"from_torch({name}, fused=True) cannot run in a graph: torch wraps its "
+                "fused kernels in torch.compiler.disable (they are not traced). A compiled "
+                "step runs such an update outside its graphs only on a CPU, in a step "
+                "that donates its state (fasttorch.step's default). Elsewhere leave fused "
+                "out (torch's capturable kernel is traced and fused by the compiler), or "
+                "run the step eagerly."
             )
 
     def replace(self, **overrides: Any) -> TorchOptimizer:
@@ -379,16 +391,20 @@ def from_torch(
       parameters are kept, as torch's eager loop keeps them (a ``torch.where``, no
       host read).
 
-    No fast compile form: compiled, the update is traced, and inductor generates code
-    for every parameter tensor's update, so the cold compile grows with the model (at
-    12 GPT layers the traced AdamW took 32.5 s of an 81.6 s first step,
-    docs/benchmarks_compile.md), where :func:`~fasttorch.optim.adamw`,
-    :func:`~fasttorch.optim.adam` and :func:`~fasttorch.optim.sgd` run torch's fused
-    kernel, outside the graphs (docs/optimizers.md, "Opaque update").
+    The fast compile form is ``fused=True`` (Adam, AdamW, SGD, Adagrad: the classes
+    with one) on a CPU: a compiled step that donates its state runs torch's fused
+    kernel outside its graphs, as the eager step does, so the update costs no compile
+    time, as :func:`~fasttorch.optim.adamw`'s (docs/optimizers.md, "Opaque update");
+    torch does not let a compiler trace its fused kernels, so elsewhere (a GPU,
+    ``donate=False``) a compiled step refuses ``fused=True``, saying so. Without it,
+    and for the other classes, compiled, the update is traced, and inductor generates
+    code for every parameter tensor's update, so the cold compile grows with the model
+    (at 12 GPT layers the traced AdamW took 32.5 s of an 81.6 s first step,
+    docs/benchmarks_compile.md). ``fused=True`` is not the default because its bits
+    are torch's fused form's, not the default form's that this function equals.
 
     ``foreach=`` and ``fused=`` are passed on (``fused=True``: Adam, AdamW, SGD,
-    Adagrad; eager steps only, as torch does not let a compiler trace its fused
-    kernels); ``capturable=False`` and ``differentiable=False`` (torch's defaults) are
+    Adagrad); ``capturable=False`` and ``differentiable=False`` (torch's defaults) are
     accepted. Adafactor reads parameter norms with ``.item()`` in every update (torch's
     code), so it runs eagerly but cannot be compiled with ``fullgraph=True``. Torch's
     rules for each parameter are checked when the state is created: Muon takes 2-D

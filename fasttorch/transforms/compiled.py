@@ -44,6 +44,7 @@ from fasttorch._compile.recompiles import DEFAULT_LIMIT, Recompiles
 from fasttorch._compile.recompiles import RecompileLimitError as RecompileLimitError
 from fasttorch._compile.recompiles import RecompileWarning as RecompileWarning
 from fasttorch._compile.traced_errors import user_error
+from fasttorch.optim._base import update_outside_graphs
 from fasttorch.phases import Batch, Metrics
 from fasttorch.state import TrainState, is_sharded, kept_leaves
 from fasttorch.steps import Runner, Step, check_wrap
@@ -485,8 +486,17 @@ def _watched(
 
 
 def _check_optimizers(args: Any) -> None:
-    """Let each state's optimizer refuse a compiled step before tracing (its own words)."""
+    """Let each state's optimizer refuse a compiled step before tracing (its own words).
+
+    Not a CPU state's optimizer that declares ``update_outside_graphs``
+    (``from_torch(..., fused=True)``): a donated step runs its update outside the
+    graphs; a step that traces it after all (``donate=False``) gets the same refusal
+    from the optimizer's update while tracing.
+    """
     for a in args:
         check = getattr(getattr(a, "optimizer", None), "check_compilable", None)
-        if isinstance(a, TrainState) and callable(check):
-            check()
+        if not isinstance(a, TrainState) or not callable(check):
+            continue
+        if a.device.type == "cpu" and update_outside_graphs(a.optimizer):
+            continue
+        check()
