@@ -125,6 +125,9 @@ def eval_step(step_or_loss_fn: Step | LossFn, *, use_ema: bool = False) -> EvalF
         return metrics
 
     evaluate.__name__ = evaluate.__qualname__ = name
+    # No update in its graph: compiled builds it as a step's gradient graphs, with the
+    # C++ wrapper on a CPU (one C++ build, not one per kernel).
+    evaluate.__fasttorch_forward_only__ = True  # type: ignore[attr-defined]
     return evaluate
 
 

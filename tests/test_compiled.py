@@ -475,3 +475,48 @@ def test_inductor_has_option_reads_a_sections_option():
     assert _compat.inductor_has_option("aot_inductor.compile_wrapper_opt_level")
     assert not _compat.inductor_has_option("aot_inductor.no_such_option")
     assert not _compat.inductor_has_option("no_such_section.cpp_wrapper")
+
+
+def test_compiled_eval_step_gets_the_cpp_wrapper_on_a_cpu(monkeypatch):
+    """eval_step's function holds no update: its graph builds as a step's gradient
+    graphs, with the C++ wrapper at -Og (one C++ build, not one per kernel)."""
+    seen = []
+
+    def record(fn, **kwargs):
+        seen.append(kwargs.get("options"))
+        return fn
+
+    monkeypatch.setattr(torch, "compile", record)
+    monkeypatch.setattr(options_mod, "_ISA_PROBE", [object()])  # no probe thread from here
+    torch.manual_seed(0)
+    state = fasttorch.TrainState.create(LayerNormNet(), fasttorch.optim.adamw(1e-2))
+    fast = fasttorch.compiled(fasttorch.eval_step(fasttorch.step(mse)), cpu_gemm="native")
+    fast(state, batches(1, 8)[0])
+    assert seen[-1]["cpp_wrapper"] is True
+    assert seen[-1][options_mod.WRAPPER_OPT] == "Og"
+    seen.clear()
+    plain = fasttorch.compiled(lambda state, batch: (state, {}), cpu_gemm="native")
+    plain(state, batches(1, 8)[0])
+    assert "cpp_wrapper" not in seen[-1]  # a custom step compiled whole may hold an update
+
+
+def test_a_loaded_traced_step_runs_its_first_call_under_its_inductor_options():
+    """A traced step loaded from cache_dir builds its C++ at its first call, under the
+    options it was traced with (the wrapper's -Og is part of the build's key)."""
+    from torch._inductor import config
+
+    from fasttorch._compile.cache import _Guarded
+
+    class Loaded:
+        def guard_check(self, *args, **kwargs):
+            return True
+
+        def __call__(self, *args, **kwargs):
+            return config.aot_inductor.compile_wrapper_opt_level
+
+    options = {options_mod.WRAPPER_OPT: "Og", "guard_filter_fn": None}
+    guarded = _Guarded(Loaded(), lambda *a: None, "step", (), options)
+    before = config.aot_inductor.compile_wrapper_opt_level
+    assert guarded() == "Og"
+    assert guarded() == before  # later calls as they are
+    assert config.aot_inductor.compile_wrapper_opt_level == before

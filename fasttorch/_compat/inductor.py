@@ -8,7 +8,7 @@ import contextlib
 import importlib
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -45,6 +45,24 @@ def inductor_has_option(name: str) -> bool:
             return False
         where = getattr(where, part)
     return True
+
+
+def inductor_config(options: Mapping[str, Any] | None) -> contextlib.AbstractContextManager[Any]:
+    """Inductor's config patched, for a block, with the ``options`` it knows.
+
+    Why: a traced function loaded from ``cache_dir`` (:func:`load_precompiled`) builds
+    its C++ under the process's inductor config, not under the options it was traced
+    with, and the C++ wrapper's optimization level
+    (``aot_inductor.compile_wrapper_opt_level``, which ``compiled`` sets) is part of the
+    build's key: without them the kept build was missed and done again at ``-O1``
+    (a 12-layer warm start took 11.8 s against 2.7 s). ``torch._inductor.config.patch``
+    is private API; options it does not know (dynamo's ``guard_filter_fn``) are left
+    out.
+    """
+    from torch._inductor import config
+
+    known = {k: v for k, v in (options or {}).items() if inductor_has_option(k)}
+    return config.patch(known)  # type: ignore[no-any-return]
 
 
 def inductor_mode_options(mode: str, dynamic: bool | None) -> dict[str, Any]:

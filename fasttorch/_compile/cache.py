@@ -160,7 +160,8 @@ def precompiled(
     loaded = None
     if os.path.exists(file):
         try:
-            loaded = _compat.load_precompiled(file, func.__globals__, external)
+            with _compat.inductor_config(opts.get("options")):  # as it was built
+                loaded = _compat.load_precompiled(file, func.__globals__, external)
             counts["loaded"] += 1
         except Exception as err:
             warn_once(
@@ -192,7 +193,7 @@ def precompiled(
                 f"compiled: could not write the traced {name} to {file} "
                 f"({type(err).__name__}: {_first_line(err)}); a new process traces it again"
             )
-    return _Guarded(loaded, fallback, name, _modes(args))
+    return _Guarded(loaded, fallback, name, _modes(args), opts.get("options"))
 
 
 class _Guarded:
@@ -202,7 +203,7 @@ class _Guarded:
     (it is reachable from the step's kernel cache) instead of walking into it.
     """
 
-    __slots__ = ("fallback", "fn", "modes", "name")
+    __slots__ = ("fallback", "fn", "modes", "name", "options")
 
     def __init__(
         self,
@@ -210,8 +211,12 @@ class _Guarded:
         fallback: Callable[..., Any],
         name: str,
         modes: tuple[bool, ...],
+        options: dict[str, Any] | None = None,
     ):
         self.fn, self.fallback, self.name, self.modes = fn, fallback, name, modes
+        # Inductor's options the function was built with, for its first call, which may
+        # build its C++ (``_compat.inductor_config``); then ``None``.
+        self.options = options
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         why = _compat.precompiled_guard_failure(self.fn, args, kwargs)
@@ -219,6 +224,11 @@ class _Guarded:
         if why is None and _modes(args) != self.modes:
             why = "a module's training mode changed (train() or eval() on the model)"
             fix = "set the modes before the first call"
+        if why is None and self.options is not None:
+            with _compat.inductor_config(self.options):
+                out = self.fn(*args, **kwargs)
+            self.options = None
+            return out
         if why is None:
             return self.fn(*args, **kwargs)
         warn_once(
