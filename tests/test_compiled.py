@@ -520,3 +520,39 @@ def test_a_loaded_traced_step_runs_its_first_call_under_its_inductor_options():
     assert guarded() == "Og"
     assert guarded() == before  # later calls as they are
     assert config.aot_inductor.compile_wrapper_opt_level == before
+
+
+def test_a_two_file_cpp_build_compiles_both_files_at_once(tmp_path):
+    """compiled's graphs build the C++ wrapper and the kernels in parallel, then link;
+    inductor's own function is back after the block."""
+    import threading
+    import time
+
+    from torch._inductor import codecache
+
+    original = codecache._worker_compile_cpp
+    running, most, lock = [0], [0], threading.Lock()
+
+    class Builder:
+        def __init__(self, name):
+            self.path = str(tmp_path / name)
+
+        def get_target_file_path(self):
+            return self.path
+
+        def build(self):
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.2)
+            with lock:
+                running[0] -= 1
+            open(self.path, "w").close()
+
+    with _compat.parallel_cpp_builds():
+        assert codecache._worker_compile_cpp is not original
+        builders = [Builder("main.o"), Builder("kernels.o"), Builder("lib.so")]
+        codecache._worker_compile_cpp(str(tmp_path / "lock"), builders)
+    assert codecache._worker_compile_cpp is original
+    assert most[0] == 2  # the two compiles at once; the link after them
+    assert all(os.path.exists(b.path) for b in builders)

@@ -79,6 +79,7 @@ from fasttorch._compat.inductor import (
     inductor_graph_seconds,
     inductor_has_option,
     inductor_mode_options,
+    parallel_cpp_builds,
     use_inductor_cache_dir,
     with_cacheable_autocast,
 )
@@ -130,6 +131,7 @@ __all__ = [
     "load_precompiled",
     "mark_static_addresses",
     "no_recompile_limit",
+    "parallel_cpp_builds",
     "portable_guards",
     "precompile",
     "precompile_available",

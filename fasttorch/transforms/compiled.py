@@ -408,7 +408,11 @@ def compile_step_fn(
                         raise
         if static_state:
             _compat.mark_static_addresses(kept_leaves(args))
-        with _compat.tracing_autograd_ops(), _compat.recompile_budget(limit):
+        with (
+            _compat.tracing_autograd_ops(),
+            _compat.recompile_budget(limit),
+            _compat.parallel_cpp_builds(),
+        ):
             try:
                 out = compiled_fn(*args, **kwargs)
                 if recompiles is not None:
