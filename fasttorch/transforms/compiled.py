@@ -44,7 +44,6 @@ from fasttorch._compile.recompiles import DEFAULT_LIMIT, Recompiles
 from fasttorch._compile.recompiles import RecompileLimitError as RecompileLimitError
 from fasttorch._compile.recompiles import RecompileWarning as RecompileWarning
 from fasttorch._compile.traced_errors import user_error
-from fasttorch.optim._base import update_outside_graphs
 from fasttorch.phases import Batch, Metrics
 from fasttorch.state import TrainState, is_sharded, kept_leaves
 from fasttorch.steps import Runner, Step, check_wrap
@@ -505,6 +504,6 @@ def _check_optimizers(args: Any) -> None:
         check = getattr(getattr(a, "optimizer", None), "check_compilable", None)
         if not isinstance(a, TrainState) or not callable(check):
             continue
-        if a.device.type == "cpu" and update_outside_graphs(a.optimizer):
+        if a.device.type == "cpu" and getattr(a.optimizer, "update_outside_graphs", False):
             continue
         check()
