@@ -342,7 +342,10 @@ def update_kernel(
     outside the graphs (:func:`update_outside`), ``make()`` as it is."""
     if update_outside(step, state):
         cache: dict[str, Callable[..., Any]] = step.__dict__.setdefault("_kernels", {})
-        return cache.setdefault(f"{name} (eager)", make())
+        fn = cache.get(f"{name} (eager)")
+        if fn is None:  # made once, as kernel() makes its own
+            fn = cache[f"{name} (eager)"] = make()
+        return fn
     return kernel(step, name, make)
 
 
