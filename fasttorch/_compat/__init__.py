@@ -3,9 +3,10 @@
 A torch upgrade should touch this package only, one module per area of torch:
 ``dynamo``, ``inductor``, ``cudagraphs``, ``aten`` (private ops and CPU queries),
 ``distributed`` (DCP, FSDP2), ``functorch`` and ``releases`` (the checks that can only
-read the version). Each entry is feature-detected where there is a feature to detect
-(a release check says why there is none), says why fasttorch needs it, and names the
-upstream code or issue it depends on. Nothing else in the package imports
+read the version); ``interpreter`` holds the one workaround for CPython itself. Each
+entry is feature-detected where there is a feature to detect (a release check says why
+there is none), says why fasttorch needs it, and names the upstream code or issue it
+depends on. Nothing else in the package imports
 ``torch._dynamo``, ``torch._inductor`` or ``torch._C``, or calls a private ATen op.
 
 Every name is re-exported here: the rest of fasttorch, and its tests, use
@@ -83,6 +84,7 @@ from fasttorch._compat.inductor import (
     use_inductor_cache_dir,
     with_cacheable_autocast,
 )
+from fasttorch._compat.interpreter import LARGE_STACK_SLOTS, on_large_stack
 from fasttorch._compat.releases import (
     AUTOGRAD_GRAD_IN_GRAPH,
     cpu_gemm_pass_works,
@@ -92,6 +94,7 @@ __all__ = [
     "AUTOGRAD_GRAD_IN_GRAPH",
     "CPU_ATTENTION",
     "CPU_ATTENTION_BACKWARD",
+    "LARGE_STACK_SLOTS",
     "CombinedGraphPass",
     "CudagraphVerdict",
     "CustomGraphPass",
@@ -131,6 +134,7 @@ __all__ = [
     "load_precompiled",
     "mark_static_addresses",
     "no_recompile_limit",
+    "on_large_stack",
     "parallel_cpp_builds",
     "portable_guards",
     "precompile",

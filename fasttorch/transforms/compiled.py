@@ -376,6 +376,9 @@ def compile_step_fn(
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
         nonlocal compiled_fn, opts, recompiles, blocks
+        # The call that compiles runs on a frame stack of its own (CPython's chunked
+        # stack: _compat.on_large_stack); a later recompile runs where it is called.
+        call = _compat.on_large_stack if compiled_fn is None else _plain_call
         if compiled_fn is None:  # on the first call, when the tensors' devices are known
             _check_optimizers(args)
             blocks = _regions.choose(regions, args, options.get("backend", "inductor"))
@@ -399,7 +402,7 @@ def compile_step_fn(
             if uses_cudagraphs(opts) and not _on_cpu((args, kwargs)):
                 with _compat.recompile_budget(limit):
                     try:
-                        return _first_graph_call(compiled_fn, fn, args, kwargs, static_state)
+                        return call(_first_graph_call, compiled_fn, fn, args, kwargs, static_state)
                     except Exception as err:
                         clear = user_error(err)
                         if clear is not None:  # as below
@@ -413,7 +416,7 @@ def compile_step_fn(
             _compat.parallel_cpp_builds(),
         ):
             try:
-                out = compiled_fn(*args, **kwargs)
+                out = call(compiled_fn, *args, **kwargs)
                 if recompiles is not None:
                     recompiles.check(args)
                 return out
@@ -438,9 +441,13 @@ def compile_step_fn(
                 inner = {**opts["options"], "cpp_wrapper_build_separate": False}
                 opts = {**opts, "options": inner}
                 compiled_fn, recompiles = _watched(fn, opts, limit, blocks, regions)
-                return compiled_fn(*args, **kwargs)
+                return _compat.on_large_stack(compiled_fn, *args, **kwargs)
 
     return run
+
+
+def _plain_call(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
 
 
 def _first_graph_call(
